@@ -1,0 +1,218 @@
+"""Sessions for the pc monorepo: tests per package and together, lint, types, docs, build, demo, bench, gpu.
+
+Every session installs the CPU build of torch pinned in ``constraints/cpu.txt`` (or the file named by
+``PC_TORCH_CONSTRAINTS``, e.g. ``constraints/cuda.txt`` on GPU runners). uv does not read pip's configuration,
+so the find-links source pip uses on this machine is handed to uv through ``UV_FIND_LINKS``; it is never passed
+with ``--find-links`` on a uv command line (that would replace the source rather than add to it).
+
+Run ``nox -l`` for the list; ``nox -s tests`` is the fast path; ``nox -s tests-pc-pool`` proves that pc-pool
+works with nothing but its declared dependencies installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+PACKAGES_DIR = ROOT / "packages"
+PACKAGES = sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml").is_file())
+TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "psutil>=5.9"]
+# Test-only needs beyond a package's runtime closure; local names are installed from packages/.
+EXTRA_TEST_DEPS: dict[str, list[str]] = {
+    "pc-sync": ["pc-replicate"],
+    "pc-assigner": ["scipy>=1.9"],
+}
+# What the demo, the integration tests and the benchmarks use beyond the packages themselves.
+DEMO_DEPS = ["tqdm>=4.60"]
+BENCH_DEPS = ["tqdm>=4.60", "cloudpickle>=3", "loky>=3.4", "matplotlib>=3.7", "scipy>=1.9", "numpy>=1.24"]
+DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.error_on_missing_interpreters = True
+
+
+def _pip_find_links() -> str | None:
+    """Return pip's configured find-links (environment first, then pip's config files)."""
+    if os.environ.get("PIP_FIND_LINKS"):
+        return os.environ["PIP_FIND_LINKS"]
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    value = out.stdout.strip()
+    return value if out.returncode == 0 and value else None
+
+
+_find_links = _pip_find_links()
+if _find_links and not os.environ.get("UV_FIND_LINKS"):
+    os.environ["UV_FIND_LINKS"] = " ".join(_find_links.split())
+TORCH_CONSTRAINTS = os.environ.get("PC_TORCH_CONSTRAINTS", "constraints/cpu.txt")
+if not _find_links and TORCH_CONSTRAINTS.endswith("cpu.txt"):
+    # Elsewhere (a laptop, GitHub's runners) the +cpu build comes from PyTorch's CPU index.
+    os.environ.setdefault("PIP_EXTRA_INDEX_URL", "https://download.pytorch.org/whl/cpu")
+    os.environ.setdefault("UV_INDEX", "https://download.pytorch.org/whl/cpu")
+    os.environ.setdefault("UV_INDEX_STRATEGY", "unsafe-best-match")
+
+
+def _local_deps(package: str) -> list[str]:
+    """Sibling distributions named in a package's ``dependencies`` list."""
+    text = (PACKAGES_DIR / package / "pyproject.toml").read_text()
+    block = re.search(r"^dependencies\s*=\s*\[(.*?)\]", text, re.S | re.M)
+    names = re.findall(r'"(pc-[a-z]+)', block.group(1)) if block else []
+    return [n for n in names if n in PACKAGES]
+
+
+def closure(package: str) -> list[str]:
+    """The package and every sibling it depends on, dependencies first."""
+    seen: list[str] = []
+
+    def visit(name: str) -> None:
+        for dep in _local_deps(name):
+            visit(dep)
+        if name not in seen:
+            seen.append(name)
+
+    visit(package)
+    return seen
+
+
+def _install(session: nox.Session, *requirements: str, editable: bool = False) -> None:
+    """Install requirements (sibling names become local paths) under the torch constraints."""
+    args: list[str] = []
+    for req in requirements:
+        if req in PACKAGES:
+            path = str(PACKAGES_DIR / req)
+            args += ["-e", path] if editable else [path]
+        else:
+            args.append(req)
+    session.install("-c", TORCH_CONSTRAINTS, *args)
+
+
+def _check_torch_build(session: nox.Session) -> None:
+    """Fail if a CPU session picked up a CUDA build of torch."""
+    if TORCH_CONSTRAINTS.endswith("cpu.txt"):
+        session.run(
+            "python",
+            "-c",
+            "import torch, sys; v = torch.__version__; "
+            "sys.exit(0 if torch.version.cuda is None and v.endswith('+cpu') else f'not a CPU torch: {v}')",
+            silent=True,
+        )
+
+
+def _install_all(session: nox.Session, *extra: str) -> None:
+    _install(session, *PACKAGES, *TEST_TOOLS, *extra, editable=True)
+    _check_torch_build(session)
+
+
+def _pytest(session: nox.Session, *paths: str, marker: str | None = None) -> None:
+    args = ["pytest", *paths]
+    if marker:
+        args += ["-m", marker]
+    session.run(*args, *session.posargs)
+
+
+for _package in PACKAGES:
+
+    @nox.session(name=f"tests-{_package}")
+    def _tests_one(session: nox.Session, package: str = _package) -> None:
+        """Run one package's tests in a venv holding only its declared closure."""
+        extras = EXTRA_TEST_DEPS.get(package, [])
+        _install(session, *closure(package), *[d for e in extras for d in closure(e) if e in PACKAGES])
+        _install(session, *[e for e in extras if e not in PACKAGES], *TEST_TOOLS)
+        _check_torch_build(session)
+        _pytest(session, f"packages/{package}/tests")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package and the integration tests in one venv (the fast path used by README and CI)."""
+    _install_all(session, *DEMO_DEPS, "scipy>=1.9")
+    _pytest(session, *[f"packages/{p}/tests" for p in PACKAGES], "tests-integration")
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Cross-package tests through the public APIs."""
+    _install_all(session, *DEMO_DEPS)
+    _pytest(session, "tests-integration")
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The `gpu`-marked tests; a missing CUDA device is an error here, not a skip."""
+    session.env["PC_REQUIRE_GPU"] = "1"
+    _install(session, *PACKAGES, *TEST_TOOLS, *DEMO_DEPS, editable=True)
+    _pytest(session, *[f"packages/{p}/tests" for p in PACKAGES], "tests-integration", marker="gpu")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole repository."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy (strict) on every package's src/."""
+    _install(session, "mypy>=1.10", "dill>=0.3.6", "numpy>=1.24", "torch")
+    session.run("mypy", *[f"packages/{p}/src" for p in PACKAGES])
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site with --strict."""
+    session.install(*DOCS_DEPS)
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"))
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheel + sdist per package, twine check --strict, then install the wheels by path and import them."""
+    session.install("build[uv]>=1.2", "twine>=5.1")
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for package in PACKAGES:
+        session.run("python", "-m", "build", "--installer", "uv", "--outdir", str(dist), f"packages/{package}")
+    artifacts = sorted(str(p) for p in dist.iterdir())
+    expected = 2 * len(PACKAGES)
+    if len(artifacts) != expected:
+        session.error(f"expected {expected} artifacts in dist/, found {len(artifacts)}: {artifacts}")
+    session.run("twine", "check", "--strict", *artifacts)
+    wheels = [a for a in artifacts if a.endswith(".whl")]
+    session.install("-c", TORCH_CONSTRAINTS, *wheels)
+    _check_torch_build(session)
+    modules = ", ".join(p.replace("-", "_") for p in PACKAGES)
+    session.run("python", "-c", f"import {modules}; print('imported: {modules}')", external=False)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main demo: asynchronous training with all seven packages (``nox -s demo -- --help``)."""
+    _install(session, *PACKAGES, *DEMO_DEPS)
+    _check_torch_build(session)
+    session.run("python", "examples/async_training.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every package's benchmark side by side with its peers; ``nox -s bench -- pc-pool`` runs one."""
+    _install(session, *PACKAGES, *BENCH_DEPS)
+    _check_torch_build(session)
+    session.run("python", "benchmarks/run_all.py", *session.posargs)

@@ -1,0 +1,5 @@
+"""Version of the pc-pool distribution (read by hatchling)."""
+
+__all__ = ["__version__"]
+
+__version__ = "0.1.0"
