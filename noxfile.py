@@ -2,8 +2,8 @@
 
 Every session installs the CPU build of torch pinned in ``constraints/cpu.txt`` (or the file named by
 ``PC_TORCH_CONSTRAINTS``, e.g. ``constraints/cuda.txt`` on GPU runners). uv does not read pip's configuration,
-so the find-links source pip uses on this machine is handed to uv through ``UV_FIND_LINKS``; it is never passed
-with ``--find-links`` on a uv command line (that would replace the source rather than add to it).
+so the find-links source pip uses on this machine is handed to uv through ``UV_FIND_LINKS``; it is never
+passed with ``--find-links`` on a uv command line (that would replace the source rather than add to it).
 
 Run ``nox -l`` for the list; ``nox -s tests`` is the fast path; ``nox -s tests-pc-pool`` proves that pc-pool
 works with nothing but its declared dependencies installed.
@@ -189,7 +189,9 @@ def build(session: nox.Session) -> None:
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     for package in PACKAGES:
-        session.run("python", "-m", "build", "--installer", "uv", "--outdir", str(dist), f"packages/{package}")
+        session.run(
+            "python", "-m", "build", "--installer", "uv", "--outdir", str(dist), f"packages/{package}"
+        )
     artifacts = sorted(str(p) for p in dist.iterdir())
     expected = 2 * len(PACKAGES)
     if len(artifacts) != expected:

@@ -1,8 +1,8 @@
 """Shared helpers for the pc benchmarks: timing by medians, ratio tables, targets and JSON.
 
 Every package's ``packages/pc-<name>/benchmarks/run.py`` builds one :class:`Report`, adds measurements of our
-code and of its peers taken in the same run, states its targets with :meth:`Report.target`, prints the table and
-writes JSON (``--out``). ``benchmarks/run_all.py`` (``nox -s bench``) combines the JSON files into one report.
+code and of its peers taken in the same run, states its targets with :meth:`Report.target`, prints the table
+and writes JSON (``--out``). ``benchmarks/run_all.py`` (``nox -s bench``) combines the JSON files into one report.
 
 Usage in a benchmark script::
 
@@ -109,7 +109,9 @@ class Report:
         self.rows.append(r)
         return r
 
-    def target(self, name: str, measured: float, op: str, bound: float, unit: str = "x", note: str = "") -> Target:
+    def target(
+        self, name: str, measured: float, op: str, bound: float, unit: str = "x", note: str = ""
+    ) -> Target:
         """State a target (``op`` is ``"<="`` or ``">="``) and whether the measured value meets it."""
         if op not in ("<=", ">="):
             raise ValueError(f"op must be '<=' or '>=', got {op!r}")
@@ -140,7 +142,9 @@ class Report:
             lines.append("-- targets --")
             for t in self.targets:
                 status = "MET" if t.met else "NOT MET"
-                lines.append(f"{t.name[:60]:60} {t.measured:>10.4g}{t.unit} {t.op} {t.bound:g}{t.unit}  {status}")
+                lines.append(
+                    f"{t.name[:60]:60} {t.measured:>10.4g}{t.unit} {t.op} {t.bound:g}{t.unit}  {status}"
+                )
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 

@@ -1,7 +1,7 @@
 """Run the benchmarks of every package (or the ones named) and write the combined report.
 
-``nox -s bench`` calls this script. For each package it runs every ``packages/<pkg>/benchmarks/run*.py`` in its
-own process (``--out`` JSON, ``--quick`` passed through), merges them into ``bench-results/<pkg>.json``, then
+``nox -s bench`` calls this script. For each package it runs every ``packages/<pkg>/benchmarks/run*.py`` in
+its own process (``--out`` JSON, ``--quick`` passed through), merges them into ``bench-results/<pkg>.json``, then
 writes ``docs/benchmarks-report.md`` (the table of ratios against the peers and of every target, met or not)
 and one PNG per package under ``docs/assets/bench/`` for the Benchmarks page.
 
@@ -81,7 +81,9 @@ def markdown(results: list[dict[str, Any]], quick: bool) -> str:
         for t in res["targets"]:
             met = "yes" if t["met"] else "**no**"
             bound = f"{t['op']} {_fmt(t['bound'])}{t['unit']}"
-            lines.append(f"| {res['package']} | {t['name']} | {_fmt(t['measured'])}{t['unit']} | {bound} | {met} |")
+            lines.append(
+                f"| {res['package']} | {t['name']} | {_fmt(t['measured'])}{t['unit']} | {bound} | {met} |"
+            )
         for err in res.get("errors", []):
             lines.append(f"| {res['package']} | benchmark failed: {err} | | | **no** |")
     for res in results:
@@ -128,7 +130,9 @@ def plot(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the selected packages' benchmarks and write the report."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("packages", nargs="*", help="packages to run (default: all), e.g. pc-pool")
     parser.add_argument("--quick", action="store_true", help="smoke sizes")
     args = parser.parse_args(argv)
