@@ -2,7 +2,8 @@
 
 Every package's ``packages/pc-<name>/benchmarks/run.py`` builds one :class:`Report`, adds measurements of our
 code and of its peers taken in the same run, states its targets with :meth:`Report.target`, prints the table
-and writes JSON (``--out``). ``benchmarks/run_all.py`` (``nox -s bench``) combines the JSON files into one report.
+and writes JSON (``--out``). ``benchmarks/run_all.py`` (``nox -s bench``) combines the JSON files into one
+report.
 
 Usage in a benchmark script::
 

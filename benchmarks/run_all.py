@@ -1,9 +1,9 @@
 """Run the benchmarks of every package (or the ones named) and write the combined report.
 
 ``nox -s bench`` calls this script. For each package it runs every ``packages/<pkg>/benchmarks/run*.py`` in
-its own process (``--out`` JSON, ``--quick`` passed through), merges them into ``bench-results/<pkg>.json``, then
-writes ``docs/benchmarks-report.md`` (the table of ratios against the peers and of every target, met or not)
-and one PNG per package under ``docs/assets/bench/`` for the Benchmarks page.
+its own process (``--out`` JSON, ``--quick`` passed through), merges them into ``bench-results/<pkg>.json``,
+then writes ``docs/benchmarks-report.md`` (the table of ratios against the peers and of every target, met or
+not) and one PNG per package under ``docs/assets/bench/`` for the Benchmarks page.
 
 Usage::
 
