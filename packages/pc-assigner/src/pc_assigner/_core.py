@@ -1,8 +1,8 @@
 """The problem restricted to eligible devices, in the flat form every solver works on.
 
-Solvers see devices ``0..m'-1`` (the eligible ones) and items ``0..n-1``; :meth:`Compiled.expand` maps a result
-back to the problem's device indices. Nothing here allocates tensors: the heuristics run on Python lists, which
-are faster than torch for the O(degree + m) incremental updates they make.
+Solvers see devices ``0..m'-1`` (the eligible ones) and items ``0..n-1``; :meth:`Compiled.expand` maps a
+result back to the problem's device indices. Nothing here allocates tensors: the heuristics run on Python
+lists, which are faster than torch for the O(degree + m) incremental updates they make.
 """
 
 from __future__ import annotations
@@ -71,9 +71,7 @@ def compile_problem(problem: PlacementProblem) -> Compiled:
     """Restrict ``problem`` to its eligible devices and precompute per-item times and adjacency."""
     devices = problem.eligible
     speeds = problem.effective_speeds
-    time = tuple(
-        tuple((c / speeds[j] if c > 0 else 0.0) for j in devices) for c in problem.compute
-    )
+    time = tuple(tuple((c / speeds[j] if c > 0 else 0.0) for j in devices) for c in problem.compute)
     out_edges: list[list[tuple[int, float]]] = [[] for _ in range(problem.n)]
     in_edges: list[list[tuple[int, float]]] = [[] for _ in range(problem.n)]
     for i, k, w in problem.traffic:
@@ -86,7 +84,7 @@ def compile_problem(problem: PlacementProblem) -> Compiled:
         time=time,
         size=problem.sizes,
         cap=tuple(problem.capacities[j] for j in devices),
-        dist=tuple(tuple(problem.distance[j][l] for l in devices) for j in devices),
+        dist=tuple(tuple(problem.distance[j][k] for k in devices) for j in devices),
         out_edges=tuple(tuple(e) for e in out_edges),
         in_edges=tuple(tuple(e) for e in in_edges),
         edges=problem.traffic,
@@ -120,4 +118,6 @@ def _interchangeable(c: Compiled, a: int, b: int) -> bool:
         return False
     if c.dist[a][b] != c.dist[b][a]:
         return False
-    return all(c.dist[a][x] == c.dist[b][x] and c.dist[x][a] == c.dist[x][b] for x in range(c.m) if x not in (a, b))
+    return all(
+        c.dist[a][x] == c.dist[b][x] and c.dist[x][a] == c.dist[x][b] for x in range(c.m) if x not in (a, b)
+    )

@@ -6,17 +6,17 @@ A :class:`PlacementProblem` holds n items (modules, or groups of modules that sh
   constraint: a placement is feasible iff ``sum(sizes[i] for i on j) <= capacities[j]`` for every device j.
 * ``compute[i]`` is work (FLOPs, or any proxy) and ``speeds[j]`` relative throughput; item i takes
   ``compute[i] / speeds[j]`` on device j.
-* ``traffic[(i, k)]`` is the data sent from item i to item k per step; ``distance[j][l]`` the cost of moving one
-  unit from device j to device l (zero on the diagonal).
+* ``traffic[(i, k)]`` is the data sent from item i to item k per step; ``distance[j][l]`` the cost of moving
+  one unit from device j to device l (zero on the diagonal).
 
 The cost of a placement ``a`` (``a[i]`` is the device index of item i) is::
 
     cost(a) = alpha * max_j sum_{a(i)=j} compute[i] / speeds[j]
             + beta  * sum_{(i,k)} traffic[i,k] * distance[a(i)][a(k)]
 
-A device of speed 0 never computes: it is left out whenever some device has a positive speed. When every speed
-is 0 they are all treated as equal (1.0). Memory only enters the constraints, so scaling sizes and capacities by
-the same factor changes no result.
+A device of speed 0 never computes: it is left out whenever some device has a positive speed. When every
+speed is 0 they are all treated as equal (1.0). Memory only enters the constraints, so scaling sizes and
+capacities by the same factor changes no result.
 """
 
 from __future__ import annotations
@@ -81,7 +81,9 @@ def normalize_traffic(traffic: Any, n: int, *, name: str = "traffic") -> tuple[t
             raise TypeError(f"{name} keys must be (int, int) pairs, got {key!r}")
         i, k = key
         if not (0 <= i < n and 0 <= k < n):
-            raise ValueError(f"{name} key {key!r} is out of range: indices must be in [0, {n}) for {n} models")
+            raise ValueError(
+                f"{name} key {key!r} is out of range: indices must be in [0, {n}) for {n} models"
+            )
         if i == k:
             raise ValueError(f"{name} key {key!r} connects a model to itself; expected i != k")
         if isinstance(w, bool) or not isinstance(w, (int, float)):
@@ -134,15 +136,20 @@ class PlacementProblem:
         caps = _floats("capacities", self.capacities, allow_inf=True)
         speeds = _floats("speeds", self.speeds)
         if len(sizes) != len(compute):
-            raise ValueError(f"sizes and compute must have one entry per item, got {len(sizes)} and {len(compute)}")
+            raise ValueError(
+                f"sizes and compute must have one entry per item, got {len(sizes)} and {len(compute)}"
+            )
         if not caps:
             raise ValueError("at least one device is needed, got capacities=()")
         if len(speeds) != len(caps):
             raise ValueError(f"speeds must have one entry per device ({len(caps)}), got {len(speeds)}")
-        if isinstance(self.distance, (str, bytes)) or not isinstance(self.distance, Sequence):
+        raw_dist: Any = self.distance
+        if isinstance(raw_dist, (str, bytes)) or not isinstance(raw_dist, Sequence):
             raise TypeError(f"distance must be an m x m sequence of rows, got {type(self.distance).__name__}")
         if len(self.distance) != len(caps):
-            raise ValueError(f"distance must have {len(caps)} rows (one per device), got {len(self.distance)}")
+            raise ValueError(
+                f"distance must have {len(caps)} rows (one per device), got {len(self.distance)}"
+            )
         dist = tuple(_floats(f"distance[{j}]", row) for j, row in enumerate(self.distance))
         for j, row in enumerate(dist):
             if len(row) != len(caps):
@@ -185,7 +192,7 @@ class PlacementProblem:
         return self.speeds if any(p > 0 for p in self.speeds) else tuple(1.0 for _ in self.speeds)
 
     def scaled_memory(self, factor: float) -> PlacementProblem:
-        """The same problem with sizes and capacities multiplied by ``factor`` (for unit-invariance checks)."""
+        """The same problem with sizes and capacities multiplied by ``factor`` (unit-invariance checks)."""
         if not factor > 0 or not math.isfinite(factor):
             raise ValueError(f"factor must be a finite positive number, got {factor!r}")
         return PlacementProblem(
@@ -273,6 +280,8 @@ def placement_cost(problem: PlacementProblem, assignment: Sequence[int]) -> Plac
             times[j] += c / speeds[j] if speeds[j] > 0 else math.inf
     makespan = max(times)
     comm = sum(w * problem.distance[assignment[i]][assignment[k]] for i, k, w in problem.traffic)
-    total = (problem.alpha * makespan if problem.alpha else 0.0) + (problem.beta * comm if problem.beta else 0.0)
+    total = (problem.alpha * makespan if problem.alpha else 0.0) + (
+        problem.beta * comm if problem.beta else 0.0
+    )
     feasible = all(fits(memory[j], problem.capacities[j]) for j in range(problem.m))
     return PlacementCost(makespan, comm, total, tuple(memory), feasible)

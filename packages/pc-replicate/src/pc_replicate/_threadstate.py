@@ -1,9 +1,10 @@
 """Thread-local torch state: capture it in the caller, re-enter it in a worker thread.
 
-Grad mode, inference mode and autocast are thread-local in PyTorch, so a worker thread starts with the defaults
-(grad on, no inference mode, no autocast) whatever its caller had. Both the replica apply and ``Parallel`` capture
-the caller's state with :func:`capture` and wrap the worker's call in :meth:`ThreadState.enter`. The CUDA device
-and stream are captured per call site (they depend on the replica's device, not on the caller).
+Grad mode, inference mode and autocast are thread-local in PyTorch, so a worker thread starts with the
+defaults (grad on, no inference mode, no autocast) whatever its caller had. Both the replica apply and
+``Parallel`` capture the caller's state with :func:`capture` and wrap the worker's call in
+:meth:`ThreadState.enter`. The CUDA device and stream are captured per call site (they depend on the replica's
+device, not on the caller).
 
 This is the package's thin layer over those torch calls, so a change in torch touches this file only.
 """
@@ -11,6 +12,8 @@ This is the package's thin layer over those torch calls, so a change in torch to
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -38,16 +41,29 @@ class ThreadState:
         inference_mode: ``torch.is_inference_mode_enabled()`` in the caller.
         autocast: device type -> autocast dtype, for each device type whose autocast was enabled.
         autocast_cache: ``torch.is_autocast_cache_enabled()`` in the caller.
+        num_threads: ``torch.get_num_threads()`` in the caller.
     """
 
     grad_enabled: bool
     inference_mode: bool
     autocast: Mapping[str, torch.dtype]
     autocast_cache: bool
+    num_threads: int
+
+    @property
+    def is_default(self) -> bool:
+        """Whether this is a fresh thread's state (grad on, no inference mode, no autocast)."""
+        return self.grad_enabled and not self.inference_mode and not self.autocast
+
+    def enter(self) -> contextlib.AbstractContextManager[None]:
+        """Re-enter this state in the current thread for the duration of the ``with`` block."""
+        _sync_intra_op_threads(self.num_threads)
+        if self.is_default and _thread_is_default():
+            return contextlib.nullcontext()  # fast path: nothing to change
+        return self._enter()
 
     @contextlib.contextmanager
-    def enter(self) -> Iterator[None]:
-        """Re-enter this state in the current thread for the duration of the ``with`` block."""
+    def _enter(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             if self.inference_mode:
                 stack.enter_context(torch.inference_mode(True))
@@ -57,6 +73,35 @@ class ThreadState:
                     torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=self.autocast_cache)
                 )
             yield
+
+
+_local = threading.local()
+
+
+@functools.cache
+def _openmp_backend() -> bool:
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def _sync_intra_op_threads(num_threads: int) -> None:
+    # With the OpenMP backend, a thread that did not call torch.set_num_threads itself runs its ops with the
+    # OpenMP/MKL default (all cores), whatever the caller set: on 2 cores, two replica threads then start
+    # OpenMP teams whose spinning made a 2-replica step 20x slower than with the caller's setting (measured).
+    # Re-applying the caller's (global) value in the worker is a no-op for every other thread. The native
+    # backend keeps one global pool and warns on a second set_num_threads, so it is left alone.
+    if getattr(_local, "num_threads", None) == num_threads:
+        return
+    if _openmp_backend():
+        torch.set_num_threads(num_threads)
+    _local.num_threads = num_threads
+
+
+def _thread_is_default() -> bool:
+    return (
+        torch.is_grad_enabled()
+        and not torch.is_inference_mode_enabled()
+        and not any(torch.is_autocast_enabled(device_type) for device_type in AUTOCAST_DEVICE_TYPES)
+    )
 
 
 def capture() -> ThreadState:
@@ -75,6 +120,7 @@ def capture() -> ThreadState:
         inference_mode=torch.is_inference_mode_enabled(),
         autocast=autocast,
         autocast_cache=torch.is_autocast_cache_enabled(),
+        num_threads=torch.get_num_threads(),
     )
 
 

@@ -1,8 +1,11 @@
 """Packing of tensor dictionaries into one flat buffer per dtype, for transport and storage.
 
-Every tensor in an RPC message costs 10-70 µs of framing, so a state dict of 100 small tensors costs several times
-one tensor of the same size. :func:`pack` concatenates the tensors of each dtype into one CPU buffer (which is also
-the snapshot copy: ``torch.cat`` always allocates), and :func:`unpack` hands back views of those buffers shaped
+Every tensor in an RPC message costs 10-70 µs of framing, so a state dict of 100 small tensors costs several
+times
+one tensor of the same size. :func:`pack` concatenates the tensors of each dtype into one CPU buffer (which
+is also
+the snapshot copy: ``torch.cat`` always allocates), and :func:`unpack` hands back views of those buffers
+shaped
 like the originals. A :class:`Packed` value is immutable by convention: nothing in pc-server writes into it.
 """
 
@@ -74,7 +77,8 @@ def pack(tensors: Mapping[str, Any]) -> Packed:
 def unpack(packed: Packed, device: torch.device | str | None = None) -> dict[str, Any]:
     """Unpack a :class:`Packed` value into a dict of tensors shaped like the originals.
 
-    The tensors are views of the packed buffers (moved to ``device`` first when given), so the caller must copy
+    The tensors are views of the packed buffers (moved to ``device`` first when given), so the caller must
+    copy
     them (``load_state_dict`` does) before anybody writes into the buffers.
 
     Args:
@@ -92,7 +96,7 @@ def unpack(packed: Packed, device: torch.device | str | None = None) -> dict[str
     buffers = {dt: (b if device is None else b.to(device)) for dt, b in packed.buffers.items()}
     offsets = dict.fromkeys(buffers, 0)
     out: dict[str, Any] = {}
-    for name, shape, dtype in zip(packed.names, packed.shapes, packed.dtypes):
+    for name, shape, dtype in zip(packed.names, packed.shapes, packed.dtypes, strict=True):
         numel = 1
         for dim in shape:
             numel *= dim

@@ -1,5 +1,22 @@
 """SyncMaster/SlavePipe and synchronized batch norm across DataParallel replicas that never deadlocks."""
 
 from pc_sync.__about__ import __version__
+from pc_sync.batchnorm import SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
+from pc_sync.comm import FutureResult, SlavePipe, SyncMaster
+from pc_sync.convert import convert_model
+from pc_sync.errors import DEFAULT_SYNC_TIMEOUT, SyncAbortedError, SyncError, SyncTimeoutError
 
-__all__ = ["__version__"]
+__all__ = [
+    "DEFAULT_SYNC_TIMEOUT",
+    "FutureResult",
+    "SlavePipe",
+    "SyncAbortedError",
+    "SyncError",
+    "SyncMaster",
+    "SyncTimeoutError",
+    "SynchronizedBatchNorm1d",
+    "SynchronizedBatchNorm2d",
+    "SynchronizedBatchNorm3d",
+    "__version__",
+    "convert_model",
+]

@@ -9,12 +9,12 @@ One round, with ``n`` registered slaves::
           ▲                                    check: reply 0 first, one reply per slave
           └──────────────────────────────────── result_k.put(reply_k);  return reply_0
 
-No acknowledgement travels back on the shared queue: a slave posts round ``r + 1`` only after it fetched its reply to
-round ``r``, and the master answers nobody before it holds all of round ``r``, so every collection sees exactly its
-own round and every ``put`` finds an empty slot.
+No acknowledgement travels back on the shared queue: a slave posts round ``r + 1`` only after it fetched its
+reply to round ``r``, and the master answers nobody before it holds all of round ``r``, so every collection
+sees exactly its own round and every ``put`` finds an empty slot.
 
-Every wait has a timeout. :meth:`SyncMaster.abort` wakes the master and every slave at once; after it, every wait
-raises :class:`~pc_sync.errors.SyncAbortedError` chained to the original error.
+Every wait has a timeout. :meth:`SyncMaster.abort` wakes the master and every slave at once; after it, every
+wait raises :class:`~pc_sync.errors.SyncAbortedError` chained to the original error.
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ def check_timeout(timeout: float | None) -> float:
 
 
 class FutureResult:
-    """A reusable, thread-safe one-value slot: one thread ``put``\\ s, another ``get``\\ s.
+    """A reusable, thread-safe one-value slot: one thread puts, another gets.
 
-    ``None`` is an ordinary value. After :meth:`set_exception` the slot is closed for good: every ``get`` raises
-    :class:`~pc_sync.errors.SyncAbortedError` chained to that exception.
+    ``None`` is an ordinary value. After :meth:`set_exception` the slot is closed for good: every ``get``
+    raises :class:`~pc_sync.errors.SyncAbortedError` chained to that exception.
 
     Example:
         >>> slot = FutureResult()
@@ -159,8 +159,8 @@ class SlavePipe(_SlavePipeBase):
     """Pipe for master-slave communication: a slave's end of one :class:`SyncMaster`.
 
     "Slave" is the seed's name for a non-master participant. The fields are ``identifier`` (the id given to
-    :meth:`SyncMaster.register_slave`), ``queue`` (shared by all slaves, read by the master) and ``result`` (this
-    slave's :class:`FutureResult`).
+    :meth:`SyncMaster.register_slave`), ``queue`` (shared by all slaves, read by the master) and ``result``
+    (this slave's :class:`FutureResult`).
     """
 
     __slots__ = ()
@@ -195,14 +195,15 @@ class SyncMaster:
     """Gathers one message per slave, runs a callback on all of them and answers every slave.
 
     - During replication, every non-master copy calls :meth:`register_slave` and keeps the returned
-      :class:`SlavePipe`; the master copy keeps the ``SyncMaster`` ("master" and "slave" are the seed's names).
+      :class:`SlavePipe`; the master copy keeps the ``SyncMaster`` ("master" and "slave" are the seed's
+      names).
     - During the forward, the master calls :meth:`run_master` and each slave :meth:`SlavePipe.run_slave`.
       ``master_callback`` receives ``[(0, master_msg), (id_1, msg_1), ...]`` with the slaves in registration
-      order (so reductions are deterministic) and returns ``[(0, reply_0), (id_1, reply_1), ...]``: the master's
-      own reply first, then exactly one reply per slave, in any order.
+      order (so reductions are deterministic) and returns ``[(0, reply_0), (id_1, reply_1), ...]``: the
+      master's own reply first, then exactly one reply per slave, in any order.
 
-    Registering after a round (or after an abort) starts a fresh registry, as in the seed. Pickling keeps only the
-    callback, so a deepcopy re-binds a bound-method callback to the copied object.
+    Registering after a round (or after an abort) starts a fresh registry, as in the seed. Pickling keeps only
+    the callback, so a deepcopy re-binds a bound-method callback to the copied object.
 
     Args:
         master_callback: The reduction run by the master once all messages are in.
@@ -316,10 +317,10 @@ class SyncMaster:
             The callback's reply for id 0.
 
         Raises:
-            SyncTimeoutError: If some slaves did not send in time; ``missing`` lists them. The master aborts first.
-            SyncAbortedError: If the exchange was aborted.
-            SyncError: If a message came from an unknown or repeated id, or the callback's replies are malformed.
-            Exception: Whatever the callback raised (after aborting, so the slaves stop waiting).
+            SyncTimeoutError: If some slaves did not send in time; ``missing`` lists them. The master aborts
+            first. SyncAbortedError: If the exchange was aborted. SyncError: If a message came from an unknown
+            or repeated id, or the callback's replies are malformed. Exception: Whatever the callback raised
+            (after aborting, so the slaves stop waiting).
         """
         limit = check_timeout(timeout)
         deadline = time.monotonic() + limit
@@ -350,7 +351,8 @@ class SyncMaster:
             except queue.Empty:
                 missing = [ident for ident in registry if ident not in received]
                 err = SyncTimeoutError(
-                    f"master (id 0) did not hear from slaves {missing!r} within {limit:g} s; {_EQUAL_CALLS_RULE}",
+                    f"master (id 0) did not hear from slaves {missing!r} within {limit:g} s; "
+                    f"{_EQUAL_CALLS_RULE}",
                     missing=missing,
                 )
                 self.abort(err)

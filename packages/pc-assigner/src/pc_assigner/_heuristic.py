@@ -1,0 +1,286 @@
+"""Greedy construction, feasibility repair and iterated local search (moves and swaps).
+
+Every step keeps memory feasible, and costs are updated incrementally (O(degree + m) per candidate move).
+Plateaus of the makespan (two devices sharing the maximum) are crossed by a secondary objective, the sum of
+squared device times, which only breaks ties: a move is taken when it lowers the cost, or keeps it and lowers
+the secondary. Randomness comes only from a local ``random.Random(seed)``; the number of restarts is fixed, so
+the same input and seed always give the same placement.
+"""
+
+from __future__ import annotations
+
+import random
+
+from pc_assigner._core import Compiled
+from pc_assigner.problem import fits
+
+__all__ = ["first_feasible", "greedy", "heuristic_search", "local_search", "repair"]
+
+_MAX_PASSES = 200  # a safety bound; local search converges long before on every instance we measured
+
+
+class _State:
+    """A feasible assignment with its device times, memory and communication, updated in place."""
+
+    def __init__(self, c: Compiled, a: list[int]) -> None:
+        self.c = c
+        self.a = list(a)
+        self.loads = [0.0] * c.m
+        self.mem = [0.0] * c.m
+        for i, j in enumerate(self.a):
+            self.loads[j] += c.time[i][j]
+            self.mem[j] += c.size[i]
+        self.comm = sum(w * c.dist[self.a[i]][self.a[k]] for i, k, w in c.edges)
+
+    def cost_of(self, loads: list[float], comm: float) -> float:
+        return self.c.alpha * max(loads) + self.c.beta * comm
+
+    def move_delta(self, i: int, dst: int) -> float:
+        """Change of communication if item i moves to ``dst``."""
+        c, a = self.c, self.a
+        src = a[i]
+        d = 0.0
+        for k, w in c.out_edges[i]:
+            ak = a[k]
+            d += w * (c.dist[dst][ak] - c.dist[src][ak])
+        for k, w in c.in_edges[i]:
+            ak = a[k]
+            d += w * (c.dist[ak][dst] - c.dist[ak][src])
+        return d
+
+    def apply_move(self, i: int, dst: int, dcomm: float) -> None:
+        c = self.c
+        src = self.a[i]
+        self.loads[src] -= c.time[i][src]
+        self.loads[dst] += c.time[i][dst]
+        self.mem[src] -= c.size[i]
+        self.mem[dst] += c.size[i]
+        self.comm += dcomm
+        self.a[i] = dst
+
+
+def _better(new_cost: float, new_sq: float, cost: float, sq: float) -> bool:
+    if new_cost < cost - abs(cost) * 1e-12:
+        return True
+    return new_cost <= cost and new_sq < sq - abs(sq) * 1e-12
+
+
+def local_search(c: Compiled, a: list[int]) -> list[int]:
+    """First-improvement moves and swaps from a feasible ``a`` until no step improves; returns a new list."""
+    s = _State(c, a)
+    m = c.m
+    time, size, cap = c.time, c.size, c.cap
+    for _ in range(_MAX_PASSES):
+        improved = False
+        cost = s.cost_of(s.loads, s.comm)
+        sq = sum(x * x for x in s.loads)
+        for i in range(c.n):
+            src = s.a[i]
+            for dst in range(m):
+                if dst == src or not fits(s.mem[dst] + size[i], cap[dst]):
+                    continue
+                loads = list(s.loads)
+                loads[src] -= time[i][src]
+                loads[dst] += time[i][dst]
+                dcomm = s.move_delta(i, dst) if c.beta else 0.0
+                new_cost = s.cost_of(loads, s.comm + dcomm)
+                new_sq = sum(x * x for x in loads)
+                if _better(new_cost, new_sq, cost, sq):
+                    s.apply_move(i, dst, dcomm)
+                    cost, sq, improved = new_cost, new_sq, True
+                    src = dst
+        for i in range(c.n):
+            for k in range(i + 1, c.n):
+                ji, jk = s.a[i], s.a[k]
+                if ji == jk:
+                    continue
+                if not fits(s.mem[ji] - size[i] + size[k], cap[ji]) or not fits(
+                    s.mem[jk] - size[k] + size[i], cap[jk]
+                ):
+                    continue
+                loads = list(s.loads)
+                loads[ji] += time[k][ji] - time[i][ji]
+                loads[jk] += time[i][jk] - time[k][jk]
+                dcomm = 0.0
+                if c.beta:
+                    d1 = s.move_delta(i, jk)
+                    s.a[i] = jk
+                    d2 = s.move_delta(k, ji)
+                    s.a[i] = ji
+                    dcomm = d1 + d2
+                new_cost = s.cost_of(loads, s.comm + dcomm)
+                new_sq = sum(x * x for x in loads)
+                if _better(new_cost, new_sq, cost, sq):
+                    s.apply_move(i, jk, 0.0)
+                    s.apply_move(k, ji, 0.0)
+                    s.comm += dcomm
+                    cost, sq, improved = new_cost, new_sq, True
+        if not improved:
+            break
+    return s.a
+
+
+def greedy(c: Compiled, order: list[int] | None = None) -> list[int] | None:
+    """Place items (by decreasing compute, then size, then index) on the cheapest device that fits.
+
+    Returns:
+        A feasible assignment, or ``None`` if some item found no device with room.
+    """
+    if order is None:
+        order = sorted(range(c.n), key=lambda i: (-max(c.time[i], default=0.0), -c.size[i], i))
+    a = [-1] * c.n
+    loads = [0.0] * c.m
+    mem = [0.0] * c.m
+    for i in order:
+        best: tuple[float, int] | None = None
+        span = max(loads)
+        for j in range(c.m):
+            if not fits(mem[j] + c.size[i], c.cap[j]):
+                continue
+            dcomm = 0.0
+            for k, w in c.out_edges[i]:
+                if a[k] >= 0:
+                    dcomm += w * c.dist[j][a[k]]
+            for k, w in c.in_edges[i]:
+                if a[k] >= 0:
+                    dcomm += w * c.dist[a[k]][j]
+            value = c.alpha * max(span, loads[j] + c.time[i][j]) + c.beta * dcomm
+            if best is None or value < best[0]:
+                best = (value, j)
+        if best is None:
+            return None
+        j = best[1]
+        a[i] = j
+        loads[j] += c.time[i][j]
+        mem[j] += c.size[i]
+    return a
+
+
+def repair(c: Compiled, a: list[int]) -> list[int] | None:
+    """Move and swap items to remove memory overflow; returns a feasible assignment or ``None``."""
+    a = list(a)
+    mem = [0.0] * c.m
+    for i, j in enumerate(a):
+        mem[j] += c.size[i]
+
+    def over(j: int, value: float) -> float:
+        return 0.0 if fits(value, c.cap[j]) else value - c.cap[j]
+
+    for _ in range(_MAX_PASSES):
+        if all(over(j, mem[j]) == 0.0 for j in range(c.m)):
+            return a
+        improved = False
+        for i in range(c.n):
+            src = a[i]
+            if over(src, mem[src]) == 0.0:
+                continue
+            for dst in range(c.m):
+                if dst == src:
+                    continue
+                before = over(src, mem[src]) + over(dst, mem[dst])
+                after = over(src, mem[src] - c.size[i]) + over(dst, mem[dst] + c.size[i])
+                if after < before:
+                    mem[src] -= c.size[i]
+                    mem[dst] += c.size[i]
+                    a[i] = src = dst
+                    improved = True
+                    break
+        if improved:
+            continue
+        for i in range(c.n):
+            for k in range(c.n):
+                ji, jk = a[i], a[k]
+                if ji == jk or c.size[i] <= c.size[k] or over(ji, mem[ji]) == 0.0:
+                    continue
+                delta = c.size[i] - c.size[k]
+                before = over(ji, mem[ji]) + over(jk, mem[jk])
+                after = over(ji, mem[ji] - delta) + over(jk, mem[jk] + delta)
+                if after < before:
+                    mem[ji] -= delta
+                    mem[jk] += delta
+                    a[i], a[k] = jk, ji
+                    improved = True
+                    break
+            if improved:
+                break
+        if not improved:
+            return None
+    return None
+
+
+def first_feasible(c: Compiled) -> list[int] | None:
+    """A feasible start: cost greedy, else best-fit by decreasing size, else repair of a spread placement."""
+    a = greedy(c)
+    if a is not None:
+        return a
+    a = [-1] * c.n
+    mem = [0.0] * c.m
+    ok = True
+    for i in sorted(range(c.n), key=lambda i: (-c.size[i], i)):
+        room = [(c.cap[j] - mem[j] - c.size[i], j) for j in range(c.m) if fits(mem[j] + c.size[i], c.cap[j])]
+        if not room:
+            ok = False
+            j = max(range(c.m), key=lambda j: (c.cap[j] - mem[j], -j))
+        else:
+            j = min(room)[1]
+        a[i] = j
+        mem[j] += c.size[i]
+    return a if ok else repair(c, a)
+
+
+def heuristic_search(c: Compiled, *, seed: int = 0, restarts: int | None = None) -> list[int] | None:
+    """Greedy, local search, then restarts: perturb the best (or start a random-order greedy) and search again.
+
+    Args:
+        c: The compiled problem.
+        seed: Seed of the local ``random.Random`` used for perturbations.
+        restarts: Number of perturbation rounds; default ``4 * n`` capped to [8, 64].
+
+    Returns:
+        The best feasible assignment found, or ``None`` if none was found (which does not prove that none
+        exists).
+    """
+    if c.n == 0:
+        return []
+    start = first_feasible(c)
+    if start is None:
+        return None
+    best = local_search(c, start)
+    best_cost = c.cost(best)
+    if c.m == 1:
+        return best
+    rng = random.Random(seed)
+    rounds = restarts if restarts is not None else min(64, max(8, 4 * c.n))
+    for r in range(rounds):
+        if r % 3 == 2:  # a fresh start: greedy in a random order
+            order = list(range(c.n))
+            rng.shuffle(order)
+            a = greedy(c, order)
+        else:  # perturb the best: a few items, within memory or ignoring it and repairing
+            a = _kick(c, best, rng, rng.randint(2, max(2, c.n // 3)), respect_memory=r % 3 == 0)
+        if a is None:
+            continue
+        a = local_search(c, a)
+        value = c.cost(a)
+        if value < best_cost - abs(best_cost) * 1e-12:
+            best, best_cost = a, value
+    return best
+
+
+def _kick(c: Compiled, a: list[int], rng: random.Random, kick: int, *, respect_memory: bool) -> list[int] | None:
+    """Move ``kick`` random items to random devices.
+
+    With ``respect_memory`` only moves that fit are made; otherwise the moves ignore memory and the result is
+    repaired, which lets a large item trade places with several small ones (no single move or swap can).
+    """
+    a = list(a)
+    mem = [0.0] * c.m
+    for i, j in enumerate(a):
+        mem[j] += c.size[i]
+    for i in rng.sample(range(c.n), min(kick, c.n)):
+        j = rng.randrange(c.m)
+        if j != a[i] and (not respect_memory or fits(mem[j] + c.size[i], c.cap[j])):
+            mem[a[i]] -= c.size[i]
+            mem[j] += c.size[i]
+            a[i] = j
+    return a if respect_memory else repair(c, a)

@@ -1,0 +1,203 @@
+"""Choosing and running a solver for a :class:`~pc_assigner.problem.PlacementProblem`.
+
+``method="auto"`` searches exhaustively when ``m ** n <= 1e6`` (m = eligible devices) and otherwise runs
+greedy construction plus local search with seeded restarts; when those find no feasible placement, the ILP
+decides if scipy is installed. Every method returns a feasible placement or raises
+:class:`~pc_assigner.errors.InfeasiblePlacementError`; none returns a placement over a device's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pc_assigner._core import Compiled, compile_problem
+from pc_assigner._exact import EXACT_LIMIT, exact_search
+from pc_assigner._gd import gradient_search
+from pc_assigner._heuristic import first_feasible, greedy, heuristic_search, repair
+from pc_assigner._ilp import ilp_available, ilp_search
+from pc_assigner.errors import InfeasiblePlacementError
+from pc_assigner.problem import PlacementCost, PlacementProblem, fits, placement_cost
+
+__all__ = ["AUTO_EXACT_LIMIT", "METHODS", "Method", "PlacementResult", "solve_placement"]
+
+logger = logging.getLogger(__name__)
+
+Method = Literal["auto", "exact", "ilp", "heuristic", "greedy", "gradient"]
+METHODS: tuple[str, ...] = ("auto", "exact", "ilp", "heuristic", "greedy", "gradient")
+AUTO_EXACT_LIMIT = 1_000_000
+"""``method="auto"`` searches exhaustively when ``m ** n`` is at most this."""
+
+
+@dataclass(frozen=True)
+class PlacementResult:
+    """A feasible placement and how it was found.
+
+    Attributes:
+        assignment: Device index (into the problem's devices) of each item.
+        cost: Its cost breakdown under the problem's weights.
+        method: The solver that produced it: ``"exact"``, ``"ilp"``, ``"heuristic"``, ``"greedy"`` or
+            ``"gradient"``.
+        optimal: Whether it is proven optimal (exhaustive search, or an ILP solved to optimality).
+    """
+
+    assignment: tuple[int, ...]
+    cost: PlacementCost
+    method: str
+    optimal: bool
+
+
+def _check_totals(problem: PlacementProblem, c: Compiled) -> None:
+    need = sum(c.size)
+    have = sum(c.cap)
+    if not fits(need, have):
+        raise InfeasiblePlacementError(
+            f"the items need {need:g} units of memory in total, but the usable devices "
+            f"{list(c.devices)} allow only {have:g}"
+        )
+    biggest = max(c.cap, default=0.0)
+    for i, s in enumerate(c.size):
+        if not fits(s, biggest):
+            raise InfeasiblePlacementError(
+                f"item {i} needs {s:g} units of memory, more than any usable device allows "
+                f"(largest: {biggest:g})"
+            )
+
+
+def _result(
+    problem: PlacementProblem, c: Compiled, a: list[int] | tuple[int, ...], method: str, optimal: bool
+) -> PlacementResult:
+    assignment = c.expand(tuple(a))
+    cost = placement_cost(problem, assignment)
+    if not cost.feasible:  # pragma: no cover - every path below checks feasibility; this guards the guarantee
+        raise AssertionError(f"internal error: {method} returned an infeasible placement {assignment}")
+    logger.debug(
+        "placement by %s (optimal=%s): %s makespan=%g communication=%g total=%g",
+        method,
+        optimal,
+        assignment,
+        cost.makespan,
+        cost.communication,
+        cost.total,
+    )
+    return PlacementResult(assignment, cost, method, optimal)
+
+
+def _fallback(problem: PlacementProblem, c: Compiled, time_limit: float, tried: str) -> PlacementResult:
+    if not ilp_available():
+        raise InfeasiblePlacementError(
+            f"{tried} found no placement within the memory limits; not proven infeasible "
+            '(install scipy, pip install "pc-assigner[solver]", to let the ILP decide, '
+            'or use method="exact")',
+            proven=False,
+        )
+    res = ilp_search(c, time_limit=time_limit)
+    if res.assignment is not None and c.feasible(res.assignment):
+        return _result(problem, c, res.assignment, "ilp", res.proven)
+    if res.proven:
+        raise InfeasiblePlacementError("no placement fits the memory limits (proven by the ILP)")
+    raise InfeasiblePlacementError(
+        f"{tried} and the ILP ({res.message}) found no placement within the memory limits; "
+        "not proven infeasible",
+        proven=False,
+    )
+
+
+def solve_placement(
+    problem: PlacementProblem,
+    *,
+    method: Method = "auto",
+    seed: int = 0,
+    restarts: int | None = None,
+    time_limit: float = 30.0,
+    gradient_options: dict[str, Any] | None = None,
+) -> PlacementResult:
+    """Find a feasible placement of minimal cost.
+
+    Args:
+        problem: The instance.
+        method: ``"auto"`` (exhaustive when ``m ** n <= 1e6``, else ``"heuristic"``), ``"exact"`` (exhaustive;
+            ``ValueError`` above ``1e7`` placements), ``"ilp"`` (HiGHS; needs scipy), ``"heuristic"`` (greedy,
+            local search, seeded restarts), ``"greedy"`` (construction only) or ``"gradient"`` (machin's
+            surrogate, then repaired; not recommended).
+        seed: Seed of the restarts and of the gradient start; the same seed gives the same result.
+        restarts: Restart rounds of the heuristic (default ``4 n`` within [8, 64]).
+        time_limit: Seconds the ILP may run (``"ilp"`` and the infeasibility fallback).
+        gradient_options: Keyword arguments of machin's surrogate for ``method="gradient"`` (``iterations``,
+            ``update_rate``, ``connection_weight``, ``size_match_weight``, ``complexity_match_weight``,
+            ``entropy_weight``, ``size_unit``).
+
+    Returns:
+        The placement, its cost breakdown and whether it is proven optimal.
+
+    Raises:
+        ValueError: for an unknown method, a bad seed/limit, or ``"exact"`` on more than 1e7 placements.
+        TypeError: if ``problem`` is not a :class:`PlacementProblem`.
+        ImportError: for ``"ilp"`` without scipy.
+        InfeasiblePlacementError: if no placement fits (``proven`` tells whether that is certain).
+
+    Example:
+        >>> p = PlacementProblem(sizes=(3, 3), compute=(1, 1), capacities=(4, 4), speeds=(1, 1),
+        ...                      distance=((0, 1), (1, 0)), traffic={(0, 1): 0.5})
+        >>> solve_placement(p).assignment
+        (0, 1)
+    """
+    if not isinstance(problem, PlacementProblem):
+        raise TypeError(f"problem must be a PlacementProblem, got {type(problem).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} ({seed!r})")
+    if not time_limit > 0:
+        raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    if restarts is not None and (isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0):
+        raise ValueError(f"restarts must be None or an int >= 0, got {restarts!r}")
+    c = compile_problem(problem)
+    _check_totals(problem, c)
+    space = c.m**c.n
+    if method == "exact" and space > EXACT_LIMIT:
+        raise ValueError(
+            f'method="exact" enumerates m**n = {c.m}**{c.n} = {space:.3g} placements, above the limit '
+            f'{EXACT_LIMIT:.0e}; use method="auto", "heuristic" or "ilp"'
+        )
+    if method == "exact" or (method == "auto" and space <= AUTO_EXACT_LIMIT):
+        found = exact_search(c)
+        if found is None:
+            raise InfeasiblePlacementError(
+                "no placement fits the memory limits (proven by exhaustive search)"
+            )
+        return _result(problem, c, found[0], "exact", True)
+    if method == "ilp":
+        res = ilp_search(c, time_limit=time_limit)
+        if res.assignment is not None and c.feasible(res.assignment):
+            return _result(problem, c, res.assignment, "ilp", res.proven)
+        raise InfeasiblePlacementError(
+            f"the ILP found no feasible placement: {res.message}", proven=res.proven
+        )
+    if method == "greedy":
+        a = greedy(c)
+        if a is None:
+            a = first_feasible(c)
+        if a is None:
+            return _fallback(problem, c, time_limit, "greedy")
+        return _result(problem, c, a, "greedy", False)
+    if method == "gradient":
+        eff = problem.effective_speeds
+        raw = gradient_search(
+            c,
+            seed=seed,
+            complexity=problem.compute,
+            speeds=tuple(eff[j] for j in c.devices),
+            **(gradient_options or {}),
+        )
+        fixed = raw if c.feasible(raw) else repair(c, raw)
+        if fixed is None:
+            fixed = first_feasible(c)
+        if fixed is None:
+            return _fallback(problem, c, time_limit, "the gradient method and its repair")
+        return _result(problem, c, fixed, "gradient", False)
+    found_h = heuristic_search(c, seed=seed, restarts=restarts)
+    if found_h is None:
+        return _fallback(problem, c, time_limit, "greedy and local search")
+    return _result(problem, c, found_h, "heuristic", c.m == 1)

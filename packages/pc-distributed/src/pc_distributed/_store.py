@@ -1,0 +1,97 @@
+"""Small operations on a torch.distributed ``Store``: atomic claims, look-ups, timed waits and a barrier.
+
+The directory of an :class:`~pc_distributed.RpcGroup` and all barriers live here. Only the store is used (no
+RPC
+threads), so nothing ever nests an RPC inside an RPC handler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from pc_distributed._torch_dist import Store
+
+__all__ = ["claim", "lookup", "release", "store_barrier", "wait_keys"]
+
+# compare_set on a missing key with a non-empty expected value returns that value unchanged and sets nothing,
+# so comparing against a value no owner can have is an atomic one-round-trip look-up.
+_ABSENT = "\x00absent"
+
+
+def claim(store: Store, key: str, owner: str) -> str:
+    """Set ``key`` to ``owner`` if it is unset (atomically); return the recorded owner (first writer wins)."""
+    return _text(store.compare_set(key, "", owner))
+
+
+def lookup(store: Store, key: str) -> str | None:
+    """Return the owner recorded under ``key``, or None (one atomic round trip)."""
+    value = _text(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if value == _ABSENT else value
+
+
+def release(store: Store, key: str, owner: str) -> bool:
+    """Delete ``key`` if ``owner`` holds it; return whether it did."""
+    if lookup(store, key) != owner:
+        return False
+    return bool(store.delete_key(key))
+
+
+def wait_keys(store: Store, keys: Sequence[str], timeout: float, what: str) -> None:
+    """Wait until every key exists.
+
+    Args:
+        store: The store.
+        keys: Keys to wait for.
+        timeout: Seconds.
+        what: Describes the wait for the error message.
+
+    Raises:
+        TimeoutError: Naming the keys still missing.
+    """
+    try:
+        store.wait(list(keys), timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistStoreError) as exc:
+        missing = [k for k in keys if not store.check([k])]
+        if not missing:  # pragma: no cover - arrived right at the deadline
+            return
+        raise TimeoutError(f"{what}: timed out after {timeout:g} s waiting for {missing}") from exc
+
+
+def store_barrier(
+    store: Store, prefix: str, generation: int, me: str, members: Sequence[str], timeout: float
+) -> None:
+    """Block until every member entered generation ``generation`` of the barrier under ``prefix``.
+
+    Each member marks itself arrived and increments a counter; the one reaching the group size sets a
+    persistent
+    ``done`` key (no pulse that a late waiter could miss) and deletes the keys of the previous generation,
+    which
+    every member has left by then.
+
+    Raises:
+        TimeoutError: Naming the members that did not arrive.
+    """
+    base = f"{prefix}/{generation}"
+    store.set(f"{base}/arrived/{me}", "1")
+    if store.add(f"{base}/n", 1) == len(members):
+        store.set(f"{base}/done", "1")
+        if generation > 0:
+            old = f"{prefix}/{generation - 1}"
+            for key in (f"{old}/n", f"{old}/done", *(f"{old}/arrived/{m}" for m in members)):
+                store.delete_key(key)
+    try:
+        store.wait([f"{base}/done"], timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistStoreError) as exc:
+        if store.check([f"{base}/done"]):  # pragma: no cover - completed right at the deadline
+            return
+        missing = [m for m in members if not store.check([f"{base}/arrived/{m}"])]
+        raise TimeoutError(
+            f"barrier {prefix!r} timed out after {timeout:g} s; members that did not arrive: {missing}"
+        ) from exc
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value

@@ -1,0 +1,100 @@
+"""The thin layer over torch.distributed and torch.distributed.rpc that World uses to start and stop.
+
+Every torch call that sets up or tears down global state lives here, so a change in torch touches one file.
+Public torch APIs only.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+__all__ = [
+    "Store",
+    "destroy_pg",
+    "init_pg",
+    "master_store",
+    "open_store",
+    "prefix_store",
+    "shutdown_rpc",
+    "start_rpc",
+    "store_port",
+]
+
+# torch.distributed re-exports these from its C extension; its type stubs do not list them.
+Store: Any = dist.Store  # type: ignore[attr-defined]
+_PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
+_TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
+_rendezvous: Any = dist.rendezvous  # type: ignore[attr-defined]
+
+logger = logging.getLogger(__name__)
+
+
+def open_store(url: str, rank: int, world_size: int, timeout: float) -> Any:
+    """Open the rendezvous store of ``url`` (rank 0 serves it unless an agent does)."""
+    rendezvous = _rendezvous(url, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    store, _, _ = next(rendezvous)
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
+
+
+def master_store(host: str, world_size: int, timeout: float) -> Any:
+    """Serve a new TCPStore on a free port of ``host`` (the kernel picks; read it with ``store_port``)."""
+    return _TCPStore(
+        host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
+
+
+def prefix_store(prefix: str, store: Any) -> Any:
+    """A view of ``store`` whose keys are prefixed by ``prefix``."""
+    return _PrefixStore(prefix, store)
+
+
+def store_port(store: Any) -> int | None:
+    """The port of a TCPStore, or None for other stores."""
+    return int(store.port) if isinstance(store, _TCPStore) else None
+
+
+def init_pg(store: Any, backend: str, rank: int, world_size: int, timeout: float) -> None:
+    """Create the default process group on ``store``."""
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+    )
+
+
+def destroy_pg() -> None:
+    """Destroy the default process group (and every subgroup) if there is one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def start_rpc(name: str, rank: int, world_size: int, url: str, timeout: float) -> None:
+    """Initialise RPC with TensorPipe on ``url``."""
+    options = rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=timeout)
+    rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)  # type: ignore[no-untyped-call]
+
+
+def shutdown_rpc(graceful: bool, timeout: float) -> None:
+    """Shut RPC down within ``timeout``; a failed graceful shutdown falls back to a non-graceful one.
+
+    A graceful shutdown without a timeout hangs forever when a peer died, so there is always one.
+    """
+    if graceful:
+        try:
+            rpc.shutdown(graceful=True, timeout=timeout)
+            return
+        except Exception as exc:
+            warnings.warn(
+                f"graceful RPC shutdown failed ({type(exc).__name__}: {exc}); shutting down non-gracefully",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    try:
+        rpc.shutdown(graceful=False)
+    except Exception as exc:  # pragma: no cover - torch refuses a second shutdown on some versions
+        logger.debug("non-graceful RPC shutdown raised %r", exc)

@@ -1,0 +1,296 @@
+"""run_world: start a local world of processes, run a function on every rank, return the results by rank.
+
+    parent                                    child rank r (spawned)
+    ------                                    ----------------------
+    TCPStore on 127.0.0.1:0 (free port)  <--  World(name=str(r)) as a client of that store
+    Pipe r  <-------------------------------  (OK, result) | (ERR, exception, traceback)
+    wait(pipes + sentinels, deadline)         World.stop() in finally, then send, then exit
+
+The parent owns the store, so there is no bind race between picking a port and using it. It waits on the pipes
+and the process sentinels: a rank's exception or death is noticed at once; the other ranks then get a short
+grace
+period to finish before they are killed, and the first failure is re-raised with its original type, naming the
+rank, with the remote traceback as ``__cause__``. At the deadline every process is killed and a
+``TimeoutError``
+names the ranks still running.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pc_distributed import _torch_dist
+from pc_distributed._errors import RankDiedError, format_exception, portable_exception, reraise_remote
+
+__all__ = ["run_world"]
+
+logger = logging.getLogger(__name__)
+
+_OK = 0
+_ERR = 1
+_GRACE_S = 5.0
+
+
+def _child_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    conn: Any,
+    world_kwargs: dict[str, Any],
+    deadline_wall: float,
+) -> None:
+    os.environ.update(env)
+    from pc_distributed.world import World
+
+    message: tuple[Any, ...]
+    world: World | None = None
+    ok = False
+    try:
+        world = World(name=str(rank), rank=rank, world_size=world_size, **world_kwargs)
+        message = (_OK, fn(rank, *args))
+        ok = True
+    except BaseException as exc:
+        message = (_ERR, portable_exception(exc), format_exception(exc))
+    finally:
+        if world is not None:
+            try:
+                world.stop(timeout=max(1.0, deadline_wall - time.time()), graceful=ok)
+            except BaseException as exc:  # pragma: no cover - stop() is bounded and catches its errors
+                logger.warning("rank %d: World.stop failed: %r", rank, exc)
+    try:
+        conn.send(message)
+    except Exception as exc:  # the result did not pickle
+        conn.send((_ERR, TypeError(f"rank {rank}'s result could not be sent: {exc}"), format_exception(exc)))
+    finally:
+        conn.close()
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _loopback_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    if any(name == "lo" for _, name in socket.if_nameindex()):
+        for key in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+            if key not in os.environ:
+                env[key] = "lo"
+    return env
+
+
+def _check_number(label: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{label} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not value > 0:
+        raise ValueError(f"{label} must be > 0, got {value!r}")
+    return float(value)
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    timeout: float = 300.0,
+    backend: str = "gloo",
+    init_dist: bool = True,
+    init_rpc: bool = True,
+    start_method: str = "spawn",
+    dist_timeout: float = 60.0,
+    rpc_timeout: float = 60.0,
+    grace_period: float = _GRACE_S,
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` in a fresh local world of ``world_size`` processes; return the results by rank.
+
+    Each process builds ``World(name=str(rank), rank=rank, world_size=world_size, ...)`` on free loopback
+    ports
+    (the parent serves the store on port 0), calls ``fn`` and stops its World (also on error). ``fn`` and
+    ``args`` are pickled by reference, so ``fn`` must be a module-level function (test modules are fine:
+    spawned
+    children get the parent's ``sys.path``).
+
+    Args:
+        fn: ``fn(rank, *args)``, run on every rank.
+        world_size: Number of processes (>= 1).
+        args: Extra positional arguments for ``fn``.
+        timeout: Seconds for the whole run; then every process is killed.
+        backend: Process-group backend (``"gloo"``, ``"nccl"``).
+        init_dist: Create the default process group in each World.
+        init_rpc: Initialise RPC in each World.
+        start_method: ``"spawn"`` (default), ``"forkserver"`` or ``"fork"``.
+        dist_timeout: Each World's ``dist_timeout``.
+        rpc_timeout: Each World's ``rpc_timeout``.
+        grace_period: Seconds the other ranks get to finish after a rank failed, before they are killed.
+
+    Returns:
+        ``[fn(0, *args), fn(1, *args), ...]``.
+
+    Raises:
+        TypeError: If ``fn`` is not picklable by reference or an argument has the wrong type.
+        ValueError: If an argument is out of range.
+        Exception: The first failing rank's exception, with its original type where it pickles (else a
+            ``RuntimeError``), a note naming the rank and the remote traceback as ``__cause__``.
+        RankDiedError: If a rank died (signal or ``os._exit``) before returning.
+        TimeoutError: If ranks were still running at the deadline; the message names them.
+
+    Example:
+        >>> def hello(rank: int) -> str:
+        ...     return f"rank {rank} of {pc_distributed.get_world().world_size}"
+        >>> run_world(hello, 2)  # doctest: +SKIP
+        ['rank 0 of 2', 'rank 1 of 2']
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise TypeError(
+            f"fn must be picklable by reference (a module-level function), got {fn!r}: {exc}"
+        ) from None
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    timeout = _check_number("timeout", timeout)
+    grace_period = _check_number("grace_period", grace_period)
+    if start_method not in mp.get_all_start_methods():
+        raise ValueError(f"start_method must be one of {mp.get_all_start_methods()}, got {start_method!r}")
+    world_kwargs = {
+        "dist_backend": backend,
+        "init_dist": bool(init_dist),
+        "init_rpc": bool(init_rpc),
+        "dist_timeout": _check_number("dist_timeout", dist_timeout),
+        "rpc_timeout": _check_number("rpc_timeout", rpc_timeout),
+    }
+    ctx: Any = mp.get_context(start_method)
+    store = _torch_dist.master_store("127.0.0.1", world_size, timeout)
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_torch_dist.store_port(store)),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        **_loopback_env(),
+    }
+    start = time.monotonic()
+    deadline = start + timeout
+    deadline_wall = time.time() + timeout
+    procs: list[Any] = []
+    conns: list[Any] = []
+    finished = False
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            proc = ctx.Process(
+                target=_child_main,
+                args=(fn, rank, world_size, tuple(args), rank_env, writer, world_kwargs, deadline_wall),
+                name=f"pc-world-rank-{rank}",
+            )
+            proc.start()
+            writer.close()
+            procs.append(proc)
+            conns.append(reader)
+        results = _collect(procs, conns, deadline, timeout, grace_period)
+        finished = True
+        return results
+    finally:
+        _reap(procs, patient=finished)
+        for conn in conns:
+            conn.close()
+        del store
+
+
+def _collect(procs: list[Any], conns: list[Any], deadline: float, timeout: float, grace: float) -> list[Any]:
+    results: dict[int, Any] = {}
+    failures: list[tuple[int, BaseException]] = []
+    pending = set(range(len(procs)))
+    open_conns = {r: conns[r] for r in pending}
+    grace_end: float | None = None
+
+    def record(rank: int, message: tuple[Any, ...]) -> None:
+        pending.discard(rank)
+        if message[0] == _OK:
+            results[rank] = message[1]
+        else:
+            failures.append((rank, reraise_remote(message[1], message[2], f"rank {rank}")))
+
+    while pending:
+        limit = deadline if grace_end is None else min(deadline, grace_end)
+        remaining = limit - time.monotonic()
+        if remaining <= 0:
+            break
+        waitables: list[Any] = [open_conns[r] for r in pending if r in open_conns]
+        waitables += [procs[r].sentinel for r in pending]
+        ready = set(mpc.wait(waitables, timeout=remaining))
+        for rank in sorted(pending):
+            conn = open_conns.get(rank)
+            if conn is not None and (conn in ready or procs[rank].sentinel in ready):
+                try:
+                    if conn in ready or conn.poll():
+                        record(rank, conn.recv())
+                        continue
+                except (EOFError, OSError):
+                    open_conns.pop(rank, None)
+            if procs[rank].sentinel in ready and rank in pending:
+                procs[rank].join(5.0)  # the sentinel fires as the process exits
+                code = procs[rank].exitcode
+                pending.discard(rank)
+                failures.append(
+                    (
+                        rank,
+                        RankDiedError(
+                            rank, code, f"rank {rank} {_exit_text(code)} before returning a result"
+                        ),
+                    )
+                )
+        if failures and grace_end is None:
+            grace_end = time.monotonic() + grace
+    if failures:
+        rank, exc = failures[0]
+        notes = [f"rank {r}: {type(e).__name__}: {e}" for r, e in failures[1:]]
+        if pending:
+            notes.append(f"ranks {sorted(pending)} were killed after the failure of rank {rank}")
+        if notes and hasattr(exc, "add_note"):
+            exc.add_note("other ranks: " + "; ".join(notes))
+        raise exc
+    if pending:
+        raise TimeoutError(f"run_world timed out after {timeout:g} s; ranks still running: {sorted(pending)}")
+    return [results[r] for r in range(len(procs))]
+
+
+def _reap(procs: list[Any], patient: bool) -> None:
+    """Let finished ranks exit (``patient``), else SIGTERM, then SIGKILL; never returns with a child alive."""
+    if patient:
+        end = time.monotonic() + 10.0
+        for proc in procs:
+            proc.join(max(0.0, end - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+    for proc in procs:
+        if not proc.is_alive():
+            proc.close()

@@ -1,0 +1,73 @@
+"""RemoteRef: an RRef to a value on another member whose ``to_here()`` unwraps remote errors.
+
+The RRef returned by torch holds an envelope (see ``_remote``); :meth:`RemoteRef.to_here` fetches it and
+returns
+the value, or raises the remote exception with its original type and the remote traceback as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pc_distributed._remote import MissingOnOwner, unwrap
+
+__all__ = ["RemoteRef"]
+
+
+class RemoteRef:
+    """A reference to a value owned by a member (from ``remote``, ``registered_remote``, ``get_paired``).
+
+    Args:
+        rref: The torch ``RRef`` to an envelope.
+        owner_name: Name of the owning member.
+        on_missing: Raised (as an exception factory) when the owner no longer holds the key.
+    """
+
+    def __init__(self, rref: Any, owner_name: str, on_missing: Callable[[], Exception] | None = None) -> None:
+        self.rref = rref
+        self._owner_name = owner_name
+        self._on_missing = on_missing
+
+    def to_here(self, timeout: float = -1) -> Any:
+        """Fetch a copy of the value (also when called on the owner).
+
+        Args:
+            timeout: Seconds (-1: the world's ``rpc_timeout``).
+
+        Raises:
+            KeyError: If the owner no longer holds the paired value or service.
+            TimeoutError: If the value did not arrive in time.
+            Exception: The remote exception, original type, remote traceback as ``__cause__``.
+        """
+        from pc_distributed._rpc_util import transport_error
+
+        try:
+            envelope = self.rref.to_here(timeout) if timeout != -1 else self.rref.to_here()
+        except RuntimeError as exc:
+            raise transport_error(exc, self._owner_name, "to_here") from exc
+        try:
+            return unwrap(envelope, f"process {self._owner_name!r}", copy_value=self.rref.is_owner())
+        except MissingOnOwner:
+            if self._on_missing is None:  # pragma: no cover - every creator passes one
+                raise KeyError(f"value not found on {self._owner_name!r}") from None
+            raise self._on_missing() from None
+
+    def owner(self) -> Any:
+        """The ``WorkerInfo`` of the owner."""
+        return self.rref.owner()
+
+    def owner_name(self) -> str:
+        """The member name of the owner."""
+        return self._owner_name
+
+    def is_owner(self) -> bool:
+        """Whether this process owns the value."""
+        return bool(self.rref.is_owner())
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner has confirmed the reference."""
+        return bool(self.rref.confirmed_by_owner())
+
+    def __repr__(self) -> str:
+        return f"RemoteRef(owner={self._owner_name!r})"

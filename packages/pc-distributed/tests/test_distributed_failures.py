@@ -1,0 +1,162 @@
+"""Failure paths: a peer killed mid-collective and mid-RPC, stop() with a dead peer, run_world's errors.
+
+The peer-death world is spawned; the launcher checks use ``start_method="fork"`` and store-only Worlds, which
+start in well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+import pc_distributed as pd
+
+
+def _our_children() -> list[psutil.Process]:
+    """Live children of this process, except multiprocessing's own helpers (resource tracker, forkserver)."""
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "resource_tracker" in cmd or "forkserver" in cmd:
+            continue
+        out.append(child)
+    return out
+
+
+def slow_echo(seconds: float) -> str:
+    threading.Event().wait(seconds)  # the peer is killed while serving this call
+    return "finished"
+
+
+def _peer_death(rank: int, out_dir: str) -> str:
+    torch.set_num_threads(1)
+    world = pd.get_world()
+    assert world is not None
+    group = world.create_rpc_group("g", ["0", "1", "2"])
+    everyone = world.create_collective_group([0, 1, 2], timeout=10)
+    fut = group.rpc_async("2", slow_echo, timeout=30, args=(25.0,)) if rank == 1 else None
+    group.barrier(timeout=30)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    obs: dict[str, Any] = {}
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            everyone.all_reduce(torch.ones(4))  # rank 2 never joins: it is dead
+        else:
+            assert fut is not None
+            fut.wait()
+        obs["error"] = None
+    except Exception as exc:
+        obs["error"] = type(exc).__name__
+    obs["error_after"] = time.monotonic() - start
+    start = time.monotonic()
+    world.stop(timeout=3)
+    obs["stop_after"] = time.monotonic() - start
+    obs["world_after_stop"] = pd.get_world()
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(obs))
+    return "done"
+
+
+def test_peer_killed_mid_collective_and_mid_rpc(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(pd.RankDiedError) as info:
+        pd.run_world(
+            _peer_death,
+            3,
+            args=(str(tmp_path),),
+            timeout=150,
+            dist_timeout=10,
+            rpc_timeout=10,
+            grace_period=90,
+        )
+    assert time.monotonic() - start < 150
+    assert info.value.rank == 2
+    assert info.value.exitcode == -signal.SIGKILL
+    assert "SIGKILL" in str(info.value)
+    for rank in (0, 1):
+        obs = pickle.loads(Path(tmp_path, f"rank{rank}.pkl").read_bytes())
+        assert obs["error"] is not None, f"rank {rank} saw no error from the dead peer: {obs}"
+        assert obs["error_after"] < 25, f"rank {rank} waited {obs['error_after']:.1f} s"  # not the 25 s call
+        assert obs["stop_after"] < 3 + 10, f"rank {rank}: stop() took {obs['stop_after']:.1f} s"
+        assert obs["world_after_stop"] is None
+    assert _our_children() == []
+
+
+# -- run_world's own failure handling (fork, store-only worlds) ---
+def _rank_times_ten(rank: int) -> int:
+    return rank * 10
+
+
+def _rank_one_raises(rank: int) -> int:
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    return rank
+
+
+def _rank_zero_exits(rank: int) -> int:
+    if rank == 0:
+        os._exit(7)
+    threading.Event().wait(60)  # stays until killed after the grace period
+    return rank
+
+
+def _rank_zero_hangs(rank: int) -> int:
+    if rank == 0:
+        threading.Event().wait(120)
+    return rank
+
+
+_FAST = {"start_method": "fork", "init_dist": False, "init_rpc": False, "dist_timeout": 20}
+
+
+def test_run_world_returns_results_by_rank() -> None:
+    assert pd.run_world(_rank_times_ten, 3, timeout=60, **_FAST) == [0, 10, 20]
+
+
+def test_run_world_reraises_the_original_type_naming_the_rank() -> None:
+    with pytest.raises(ValueError, match="boom from rank 1") as info:
+        pd.run_world(_rank_one_raises, 2, timeout=60, **_FAST)
+    assert isinstance(info.value.__cause__, pd.RemoteTraceback)
+    assert "_rank_one_raises" in info.value.__cause__.text
+    assert any("rank 1" in note for note in getattr(info.value, "__notes__", []))
+
+
+def test_run_world_reports_a_dead_rank_promptly() -> None:
+    start = time.monotonic()
+    with pytest.raises(pd.RankDiedError, match="exited with code 7") as info:
+        pd.run_world(_rank_zero_exits, 2, timeout=120, grace_period=1, **_FAST)
+    assert time.monotonic() - start < 60  # not the 120 s deadline nor rank 1's 60 s wait
+    assert (info.value.rank, info.value.exitcode) == (0, 7)
+    assert _our_children() == []
+
+
+def test_run_world_timeout_kills_and_names_the_running_ranks() -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks still running: \[0\]"):
+        pd.run_world(_rank_zero_hangs, 2, timeout=3, **_FAST)
+    assert time.monotonic() - start < 60
+    assert _our_children() == []
+
+
+def test_run_world_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="picklable"):
+        pd.run_world(lambda rank: rank, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        pd.run_world(_rank_times_ten, 0)
+    with pytest.raises(ValueError, match="start_method"):
+        pd.run_world(_rank_times_ten, 1, start_method="teleport")
+    with pytest.raises(ValueError, match="timeout"):
+        pd.run_world(_rank_times_ten, 1, timeout=0)

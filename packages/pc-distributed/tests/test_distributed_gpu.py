@@ -1,0 +1,46 @@
+"""NCCL paths on CUDA devices (skipped without CUDA; run by ``nox -s gpu``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pc_distributed as pd
+
+
+def _nccl_checks(rank: int) -> dict[str, Any]:
+    torch.cuda.set_device(rank)
+    world = pd.get_world()
+    assert world is not None
+    size = world.world_size
+    group = world.create_collective_group(list(range(size)), timeout=60)
+    t = torch.full((4,), float(rank + 1), device=f"cuda:{rank}")
+    group.all_reduce(t)
+    b = torch.full((2,), float(rank), device=f"cuda:{rank}")
+    group.broadcast(b, 0)
+    tl = [torch.full((3,), float(rank + 1), device=f"cuda:{rank}")]
+    group.all_reduce_multigpu(tl, op=dist.ReduceOp.SUM)
+    gathered = [torch.zeros(1, device=f"cuda:{rank}") for _ in range(size)]
+    group.all_gather(gathered, torch.tensor([float(rank)], device=f"cuda:{rank}"))
+    group.barrier()
+    return {
+        "all_reduce": t.cpu().tolist(),
+        "broadcast": b.cpu().tolist(),
+        "multigpu": tl[0].cpu().tolist(),
+        "all_gather": [g.item() for g in gathered],
+    }
+
+
+@pytest.mark.gpu
+def test_nccl_collectives_one_rank_per_device(cuda_devices: int) -> None:
+    size = min(cuda_devices, 2)
+    results = pd.run_world(_nccl_checks, size, backend="nccl", init_rpc=False, timeout=170)
+    total = float(sum(range(1, size + 1)))
+    for r in results:
+        assert r["all_reduce"] == [total] * 4
+        assert r["broadcast"] == [0.0, 0.0]
+        assert r["multigpu"] == [total] * 3
+        assert r["all_gather"] == [float(i) for i in range(size)]

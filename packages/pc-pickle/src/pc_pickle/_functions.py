@@ -1,0 +1,135 @@
+"""The dill path: functions and classes that cannot be pickled by reference.
+
+The C pickler handles everything importable. A function or class goes to dill only when a reference would not
+load back to the same object: a ``<lambda>`` or ``<locals>`` in its ``__qualname__``, a definition in
+``__main__``, or a ``module.qualname`` lookup that returns something else. dill's pickler is the pure-Python
+one (about 20x slower than C on plain data), so it sees only these objects, each pickled into its own nested
+payload that loads with :func:`_rebuild_dill`.
+
+The nested dill pickler shares the dump's :class:`~pc_pickle._tensors.StorageTable` (tensors inside a closure
+are copied or shared like all others, and alias the rest of the graph) and consults the static-module
+registry. It uses a private copy of dill's dispatch table, so nothing is registered in dill globally.
+
+Non-goal: object identity across the boundary. An object reached both from a closure and from the rest of the
+graph loads as two copies (tensors excepted: they share one storage).
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import sys
+import threading
+import types
+import weakref
+from typing import Any
+
+import dill
+import torch
+
+from pc_pickle._static import is_static_module
+from pc_pickle._tensors import Reduced, StorageTable
+
+__all__ = ["DILL_ONLY_TYPES", "needs_by_value", "reduce_by_value"]
+
+_MISSING = object()
+
+# Types the C pickler refuses but dill pickles ("everything dill can pickle, pc_pickle pickles"). Only
+# instances of exactly these types take the slow path; everything else stays in C.
+_CANDIDATES: tuple[Any, ...] = (
+    type(threading.Lock()),
+    type(threading.RLock()),
+    types.CellType,
+    types.CodeType,
+    types.MappingProxyType,
+    staticmethod,
+    classmethod,
+    property,
+    super,
+    weakref.ReferenceType,
+    weakref.ProxyType,
+    weakref.CallableProxyType,
+    type({}.keys()),
+    type({}.values()),
+    type({}.items()),
+    io.TextIOWrapper,
+    io.BufferedReader,
+    io.BufferedWriter,
+    io.BufferedRandom,
+    io.FileIO,
+)
+DILL_ONLY_TYPES: frozenset[type] = frozenset(cls for cls in _CANDIDATES if cls in dill.Pickler.dispatch)
+
+
+def needs_by_value(obj: Any) -> bool:
+    """Whether a function or class must be pickled by value (a by-name reference would not load it back).
+
+    Args:
+        obj: A function or a class.
+
+    Returns:
+        True for lambdas, local and ``__main__`` definitions, and objects not found under their own name.
+    """
+    module_name = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if not isinstance(module_name, str) or not isinstance(qualname, str):
+        return True
+    if module_name == "__main__" or "<" in qualname:
+        return True
+    target: Any = sys.modules.get(module_name, _MISSING)
+    if target is _MISSING:
+        return True
+    for part in qualname.split("."):
+        target = getattr(target, part, _MISSING)
+        if target is _MISSING:
+            return True
+    return target is not obj
+
+
+class _DillPickler(dill.Pickler):  # type: ignore[misc]  # dill ships no type information
+    """dill's pickler with the dump's tensor table and the static-module registry.
+
+    ``reducer_override`` runs before dill's dispatch in the pure-Python pickler, so tensors, storages and
+    static modules never reach dill's own handlers.
+    """
+
+    # A private copy (same MetaCatchingDict type, so metaclasses still dispatch): registrations stay local.
+    dispatch = type(dill.Pickler.dispatch)(dill.Pickler.dispatch)
+
+    def __init__(self, file: io.BytesIO, table: StorageTable, recurse: bool) -> None:
+        super().__init__(file, protocol=5, recurse=recurse, byref=False)
+        self._table = table
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is torch.Tensor or cls is torch.nn.Parameter:
+            return self._table.reduce_tensor(obj)
+        if cls is torch.UntypedStorage:
+            return self._table.reduce_untyped_storage(obj)
+        if cls is types.ModuleType and is_static_module(obj.__name__):
+            return (importlib.import_module, (obj.__name__,))
+        if isinstance(obj, torch.TypedStorage):
+            return self._table.reduce_typed_storage(obj)
+        return NotImplemented
+
+
+def reduce_by_value(obj: Any, table: StorageTable, recurse: bool) -> Reduced:
+    """Pickle a function or class by value (or a dill-only object) with dill into a nested payload.
+
+    Args:
+        obj: The function, class, or instance of one of :data:`DILL_ONLY_TYPES`.
+        table: The dump's storage table (shared with the C graph pickler).
+        recurse: dill's ``recurse``: carry the globals the function references by value (True) or look them up
+            at load time in the function's module in the loading process (False; for ``__main__``, the
+            loader's ``__main__``).
+
+    Returns:
+        A reduce tuple that loads the object with :func:`_rebuild_dill`.
+    """
+    buffer = io.BytesIO()
+    _DillPickler(buffer, table, recurse).dump(obj)
+    return (_rebuild_dill, (buffer.getvalue(),))
+
+
+def _rebuild_dill(data: bytes) -> Any:
+    return dill.loads(data)

@@ -1,0 +1,318 @@
+"""The pickler: the C fast path, the two-phase payload, ``dumps`` and ``loads``.
+
+Data flow of one dump::
+
+    obj --phase 1--> _GraphPickler (C pickle, protocol 5) ----------------------------> graph bytes
+                       | reducer_override (CPython skips it for None, bool, int, float, str, bytes,
+                       |                   list, tuple, dict and set: plain data stays in C)
+                       |-- Tensor / Parameter / storage --> StorageTable: one index per distinct storage
+                       |-- lambda, local or __main__ function/class --> dill (same table) --> nested bytes
+                       |-- lock, cell, code, property, weakref, file, ... (dill-only types) --> dill
+                       `-- module --> its name
+        --phase 2--> StorageTable.materialize(): raw bytes (copy) or share handles (share)
+        --> Payload(table, graph) --> outer C pickle: _load_payload(FORMAT_VERSION, table, graph bytes)
+
+Phase 2 runs only when phase 1 succeeded, so a failed dump leaves no fd, shared-memory refcount or CUDA
+handle. On failure, :mod:`pc_pickle._diagnose` re-walks the graph to name the offending object's access path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import pickle
+import sys
+import types
+from collections.abc import Callable
+from typing import IO, Any
+
+import torch
+
+from pc_pickle._diagnose import find_unpicklable
+from pc_pickle._errors import PayloadError, UnpicklableObjectError
+from pc_pickle._functions import DILL_ONLY_TYPES, needs_by_value, reduce_by_value
+from pc_pickle._payload import MAGIC, Payload
+from pc_pickle._tensors import StorageTable
+
+__all__ = ["Pickler", "dumps", "loads"]
+
+_PROTOCOL = 5
+
+
+class _GraphPickler(pickle.Pickler):
+    """Phase 1: the C pickler with a ``reducer_override`` for tensors, by-value functions and modules."""
+
+    def __init__(self, file: IO[bytes], table: StorageTable, recurse: bool) -> None:
+        super().__init__(file, protocol=_PROTOCOL)
+        self._table = table
+        self._recurse = recurse
+        # type -> reducer (or None: let pickle decide). Per instance, so dynamically created classes are not
+        # kept alive; most graphs have few distinct types, so the lookup is one dict probe per object.
+        self._reducers: dict[type, Callable[[Any], Any] | None] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        try:
+            reducer = self._reducers[cls]
+        except KeyError:
+            reducer = self._reducers[cls] = self._choose(cls)
+        if reducer is None:
+            return NotImplemented
+        return reducer(obj)
+
+    def _choose(self, cls: type) -> Callable[[Any], Any] | None:
+        table = self._table
+        if cls is torch.Tensor or cls is torch.nn.Parameter:
+            return table.reduce_tensor
+        if cls is torch.UntypedStorage:
+            return table.reduce_untyped_storage
+        if issubclass(cls, torch.TypedStorage):
+            return table.reduce_typed_storage
+        if issubclass(cls, torch.cuda.Event):
+            return table.reduce_event
+        if cls is types.FunctionType or issubclass(cls, type):
+            return self._reduce_code
+        if cls is types.ModuleType:
+            return _reduce_module
+        if cls in DILL_ONLY_TYPES:
+            return self._reduce_with_dill
+        return None
+
+    def _reduce_with_dill(self, obj: Any) -> Any:
+        return reduce_by_value(obj, self._table, self._recurse)
+
+    def _reduce_code(self, obj: Any) -> Any:
+        if needs_by_value(obj):
+            return reduce_by_value(obj, self._table, self._recurse)
+        return NotImplemented
+
+
+def _reduce_module(module: types.ModuleType) -> Any:
+    # Modules always travel by name: the C pickler cannot pickle them at all, and by-value module state is
+    # what mark_static_module exists to avoid on the dill path.
+    return (importlib.import_module, (module.__name__,))
+
+
+def _pickle_graph(obj: Any, table: StorageTable, recurse: bool) -> bytes:
+    buffer = io.BytesIO()
+    _GraphPickler(buffer, table, recurse).dump(obj)
+    return buffer.getvalue()
+
+
+def _explain(obj: Any, exc: Exception, recurse: bool, copy_tensor: bool) -> UnpicklableObjectError:
+    """Build the error for a failed phase 1, with the access path found by a diagnostic re-walk."""
+    if isinstance(exc, RecursionError):
+        return UnpicklableObjectError(
+            f"obj: the object graph is nested too deeply to pickle (deeper than the recursion limit of "
+            f"{sys.getrecursionlimit()} frames); flatten it or raise sys.setrecursionlimit"
+        )
+
+    def error_of(item: Any) -> BaseException | None:
+        try:
+            _pickle_graph(item, StorageTable(copy_tensor), recurse)
+        except RecursionError as error:
+            return error
+        except Exception as error:
+            return error
+        return None
+
+    try:
+        found = find_unpicklable(obj, error_of)
+    except RecursionError:
+        found = None
+    path, culprit, error = found if found is not None else ("obj", obj, exc)
+    reason = str(error)
+    if isinstance(error, UnpicklableObjectError):
+        reason = reason.split(": ", 1)[1] if reason.startswith(f"{error.path}: ") else reason
+    kind = type(culprit)
+    return UnpicklableObjectError(
+        f"{path}: cannot pickle {kind.__module__}.{kind.__qualname__} object: "
+        f"{type(error).__name__}: {reason}",
+        path=path,
+    )
+
+
+def _build_payload(obj: Any, recurse: bool, copy_tensor: bool) -> Payload:
+    if not isinstance(recurse, bool):
+        raise TypeError(f"recurse must be a bool, got {type(recurse).__qualname__}: {recurse!r}")
+    if not isinstance(copy_tensor, bool):
+        raise TypeError(f"copy_tensor must be a bool, got {type(copy_tensor).__qualname__}: {copy_tensor!r}")
+    table = StorageTable(copy_tensor)
+    try:
+        graph = _pickle_graph(obj, table, recurse)  # phase 1: no OS resources touched
+    except Exception as exc:
+        raise _explain(obj, exc, recurse, copy_tensor) from exc
+    return Payload(table.materialize(), graph)  # phase 2
+
+
+class Pickler(pickle.Pickler):
+    """Write pc_pickle payloads to a binary file.
+
+    Each :meth:`dump` writes one self-contained payload; read it back with :func:`loads` (or
+    :func:`pickle.load`). Lambdas, closures, local and ``__main__`` functions and classes are pickled by value
+    through dill; everything else takes the C pickler (protocol 5).
+
+    Tensors, ``nn.Parameter``s and storages follow ``copy_tensor``, which defaults to **False (share)** here,
+    as in the seed (``dumps`` defaults to copy):
+
+    * ``copy_tensor=True``: each distinct storage is copied once as raw bytes; CUDA tensors are copied to the
+      host and back to the same device index on load. The loaded tensors are independent of the sender's.
+    * ``copy_tensor=False``: CPU storages travel as shared-memory handles (an unshared storage is moved into
+      shared memory at dump: one copy, and ``is_shared()`` becomes True), CUDA storages as CUDA-IPC handles.
+      The loaded tensor aliases the sender's memory: writes show on both sides. The reducers are
+      :mod:`torch.multiprocessing.reductions`' public ones, set on this instance only.
+
+    Rules for ``copy_tensor=False`` payloads:
+
+    * **One-shot**: load each payload exactly once; dump once per destination. A payload that is never loaded
+      holds its handle (a dup'd fd, a shared-memory refcount) until the producer exits.
+    * **CPU, 'file_descriptor' strategy (the Linux default)**: the producer must be alive when the consumer
+      loads, because the fd is fetched from the producer; otherwise :class:`~pc_pickle.SharedHandleError`.
+      Each live shared storage holds one fd and each unloaded payload one more, so ``EMFILE`` comes at about
+      ``ulimit -n``/2 tensors; above ~1,000 live tensors use the 'file_system' strategy or pack small tensors.
+    * **CPU, 'file_system'**: no liveness rule and no fds, but names stay in ``/dev/shm`` until the last user
+      exits.
+    * **CUDA**: the producer keeps the tensor and its process alive while any consumer uses it; consumers
+      ``del`` promptly. A received CUDA tensor cannot be re-sent (``clone()`` it first). Do not fork a
+      consumer after CUDA was initialized.
+
+    pc_pickle never changes the sharing strategy: it belongs to the application.
+
+    Args:
+        file: A binary file: anything with a ``write(bytes)`` method.
+        recurse: For functions pickled by value, carry the globals they reference by value (True) or look them
+            up at load time in the function's module in the loading process (False; for ``__main__``
+            functions, the loader's ``__main__``).
+        copy_tensor: Copy tensors (True) or share them (False, the default).
+
+    Raises:
+        TypeError: If ``file`` has no ``write`` method, or a flag is not a bool.
+
+    Example:
+        >>> import io, torch
+        >>> buf = io.BytesIO()
+        >>> Pickler(buf, copy_tensor=True).dump({"w": torch.ones(2), "f": lambda x: x + 1})
+        >>> loads(buf.getvalue())["f"](1)
+        2
+    """
+
+    def __init__(self, file: IO[bytes], recurse: bool = False, copy_tensor: bool = False) -> None:
+        if not callable(getattr(file, "write", None)):
+            raise TypeError(
+                f"file must be a binary file with a write() method, got {type(file).__qualname__}"
+            )
+        if not isinstance(recurse, bool):
+            raise TypeError(f"recurse must be a bool, got {type(recurse).__qualname__}: {recurse!r}")
+        if not isinstance(copy_tensor, bool):
+            raise TypeError(
+                f"copy_tensor must be a bool, got {type(copy_tensor).__qualname__}: {copy_tensor!r}"
+            )
+        super().__init__(file, protocol=_PROTOCOL)
+        self.recurse = recurse
+        self.copy_tensor = copy_tensor
+
+    def dump(self, obj: Any, /) -> None:
+        """Write one payload holding ``obj``.
+
+        Args:
+            obj: The object to pickle.
+
+        Raises:
+            UnpicklableObjectError: (a :class:`pickle.PicklingError`) if something in ``obj`` cannot be
+                pickled; the message starts with its access path. Nothing is written in that case.
+        """
+        payload = _build_payload(obj, self.recurse, self.copy_tensor)
+        try:
+            super().dump(payload)
+        finally:
+            # The memo holds the payload's buffers; a long-lived Pickler must not keep them.
+            self.clear_memo()
+
+
+def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
+    """Pickle ``obj`` to bytes. Works for CPU and CUDA tensors.
+
+    Same as :class:`Pickler` except that ``copy_tensor`` defaults to **True (copy)**, as in the seed. With
+    ``copy_tensor=False`` the share rules of :class:`Pickler` apply (one-shot payload; with the
+    'file_descriptor' strategy the producer must be alive when the payload is loaded; CUDA producers keep the
+    tensor alive).
+
+    What a copy round trip keeps: values, dtype (all of them, bfloat16 and complex included), shape, stride,
+    storage offset, device, ``requires_grad`` and ``nn.Parameter``-ness; tensors that share a storage in the
+    graph share one storage after the load. What changes: a slice carries its whole storage (``clone()`` it
+    first to send less), a non-leaf tensor arrives as a leaf, and ``.grad`` and hooks are not carried.
+
+    Args:
+        obj: The object to pickle.
+        recurse: For functions pickled by value, carry the globals they reference by value.
+        copy_tensor: Copy tensors (True, the default) or share them (False).
+
+    Returns:
+        The payload.
+
+    Raises:
+        UnpicklableObjectError: (a :class:`pickle.PicklingError`) if something in ``obj`` cannot be pickled.
+        TypeError: If a flag is not a bool.
+
+    Example:
+        >>> import torch
+        >>> w = torch.arange(6.0).view(2, 3)
+        >>> out = loads(dumps({"w": w, "t": w.t()}))
+        >>> out["t"].stride(), out["w"].untyped_storage().data_ptr() == out["t"].untyped_storage().data_ptr()
+        ((1, 3), True)
+    """
+    chunks = _Chunks()
+    pickle.Pickler(chunks, protocol=_PROTOCOL).dump(_build_payload(obj, recurse, copy_tensor))
+    return b"".join(chunks.parts)
+
+
+class _Chunks:
+    """A write-only "file" that keeps the pieces the C pickler writes, joined once at the end.
+
+    The C pickler hands buffers of 64 KiB and more straight to ``write`` (no copy into its own buffer), so a
+    large tensor costs one copy in :func:`dumps` (the join) instead of the two or three of ``pickle.dumps``,
+    whose output buffer grows by reallocation.
+    """
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+
+    def write(self, data: Any) -> int:
+        self.parts.append(data)  # kept alive (and unchanged: the dump is synchronous) until the join
+        return len(memoryview(data))
+
+
+def loads(data: bytes | bytearray | memoryview) -> Any:
+    """Load a payload written by :func:`dumps` or :class:`Pickler`, in this or any other process.
+
+    Loading runs code named by the payload: load only data you trust.
+
+    Args:
+        data: The payload bytes.
+
+    Returns:
+        The object.
+
+    Raises:
+        TypeError: If ``data`` is not bytes-like.
+        PayloadError: (a :class:`pickle.UnpicklingError`) for foreign, truncated or corrupt bytes, a payload
+            of another format version, or a tensor whose device does not exist here.
+        SharedHandleError: (a :class:`PayloadError`) if a shared tensor can no longer be opened (producer
+            gone, payload loaded twice).
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"loads expects bytes, bytearray or memoryview, got {type(data).__qualname__}")
+    head = bytes(data[:64])
+    if not head.startswith(b"\x80\x05") or MAGIC not in head:
+        raise PayloadError(
+            f"not a pc_pickle payload ({len(data)} bytes starting with {head[:16]!r}); "
+            "expected bytes written by pc_pickle.dumps or pc_pickle.Pickler"
+        )
+    try:
+        return pickle.loads(data)
+    except PayloadError:
+        raise
+    except (EOFError, pickle.UnpicklingError) as exc:
+        raise PayloadError(f"truncated or corrupt pc_pickle payload ({len(data)} bytes): {exc}") from exc

@@ -1,0 +1,375 @@
+"""Tensor and storage reducers, the per-payload storage table, and the rebuild functions.
+
+A payload is written in two phases (see :mod:`pc_pickle._pickler`):
+
+* Phase 1 pickles the object graph. Each tensor is reduced to ``_rebuild_tensor(index, dtype, shape, stride,
+  offset, requires_grad, is_parameter)`` where ``index`` points into a per-payload table with **one entry per
+  distinct storage**, so tied weights and views of one storage stay aliased after the load. Phase 1 touches no
+  operating-system resource.
+* Phase 2 (:meth:`StorageTable.materialize`) turns each storage into a table entry: raw bytes
+  (``copy_tensor=True``) or a share handle from :mod:`torch.multiprocessing.reductions`
+  (``copy_tensor=False``). It runs only after phase 1 succeeded, so a failed dump leaves no file descriptor,
+  shared-memory refcount or CUDA handle behind.
+
+On load, :func:`materialize_entry` turns each entry back into an ``UntypedStorage``; the graph is then
+unpickled with that list installed as the thread's current table, which ``_rebuild_tensor`` and
+``_rebuild_storage`` read.
+
+Non-goals: sparse, quantized, nested and meta tensors, tensors with the conjugate or negative bit set, tensor
+subclasses other than ``nn.Parameter`` and legacy typed storages in copy mode are left to torch's own
+reduction.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.multiprocessing import reductions
+
+from pc_pickle._errors import PayloadError, SharedHandleError, UnpicklableObjectError
+
+__all__ = [
+    "SHARE_REDUCERS",
+    "StorageTable",
+    "current_storages",
+    "installed_storages",
+    "materialize_entry",
+]
+
+# Reduce results are (callable, args) pairs; "Any" because pickle accepts any callable and any argument tuple.
+Reduced = tuple[Callable[..., Any], tuple[Any, ...]]
+
+# ----------------------------------------------------------------------------------------------------------
+# The share reducers: torch's public reducers, with the mapping `import torch` registers in ForkingPickler for
+# torch >= 2. They are called from this module only; nothing is registered in ForkingPickler or copyreg. A
+# test compares this table with ForkingPickler's so that a torch upgrade that changes the mapping fails
+# loudly.
+# ----------------------------------------------------------------------------------------------------------
+SHARE_REDUCERS: dict[type, Callable[[Any], Reduced]] = {
+    torch.Tensor: reductions.reduce_tensor,  # CUDA storages, as a uint8 view of the whole storage
+    torch.nn.Parameter: reductions.reduce_tensor,
+    torch.UntypedStorage: reductions.reduce_storage,  # CPU storages
+    torch.TypedStorage: reductions.reduce_typed_storage,  # legacy typed storages, share mode only
+    torch.cuda.Event: reductions.reduce_event,
+}
+
+# Table entry tags.
+_COPY = 0  # (tag, device string, bytes-like): raw bytes of the whole storage
+_SHARE = 1  # (tag, rebuild, args): rebuild(*args) -> UntypedStorage (CPU shared memory)
+_SHARE_CUDA = (
+    2  # (tag, device string, rebuild, args): rebuild(*args) -> uint8 CUDA tensor over the whole storage
+)
+
+_local = threading.local()
+
+
+def _is_plain_tensor(t: torch.Tensor) -> bool:
+    """Whether the raw-storage path can rebuild ``t`` exactly (else torch's own reduction is used)."""
+    return (
+        not t.is_nested
+        and t.layout is torch.strided
+        and not t.is_quantized
+        and t.device.type in ("cpu", "cuda")
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+
+
+def _host_buffer(storage: torch.UntypedStorage) -> Any:
+    """A writable, zero-copy buffer over a CPU storage's bytes, for an in-band ``PickleBuffer``.
+
+    Tensors do not export the buffer protocol; a ctypes array at the storage's address does, without numpy.
+    The caller keeps ``storage`` alive until the pickler has written the buffer.
+    """
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return b""
+    array = (ctypes.c_char * nbytes).from_address(storage.data_ptr())
+    # A writable buffer is written as BYTEARRAY8, so it loads as a bytearray that torch.frombuffer wraps
+    # without a copy and without the "non-writable buffer" warning.
+    return pickle.PickleBuffer(memoryview(array).cast("B"))
+
+
+class StorageTable:
+    """The per-payload table of distinct storages and the tensor policy (copy or share) of one dump.
+
+    Both the C graph pickler and the dill pickler of one dump share one table, so a tensor inside a closure
+    and the same tensor elsewhere in the graph refer to the same storage entry.
+
+    Args:
+        copy_tensor: True to copy storages as raw bytes, False to send share handles.
+    """
+
+    def __init__(self, copy_tensor: bool) -> None:
+        self.copy_tensor = copy_tensor
+        self.storages: list[torch.UntypedStorage] = []
+        self._index: dict[tuple[str, int | None, int, int], int] = {}
+        # Keeps temporaries (device->host copies) alive until the outer pickler has written their bytes.
+        self._keep: list[object] = []
+
+    # -- phase 1 ---------------------------------------------------------------------------------------------
+    def _storage_index(self, storage: torch.UntypedStorage) -> int:
+        device = storage.device
+        # The storages list holds a reference, so data_ptr cannot be reused by another storage during the
+        # dump.
+        key = (device.type, device.index, storage.data_ptr(), storage.nbytes())
+        index = self._index.get(key)
+        if index is None:
+            index = self._index[key] = len(self.storages)
+            self.storages.append(storage)
+        return index
+
+    def reduce_tensor(self, t: torch.Tensor) -> Reduced | Any:
+        """Reduce a Tensor or Parameter to a reference into the table (or leave it to torch's reduction).
+
+        Args:
+            t: The tensor (exact type ``Tensor`` or ``nn.Parameter``).
+
+        Returns:
+            A reduce tuple, or ``NotImplemented`` for tensors the raw-storage path does not cover.
+
+        Raises:
+            UnpicklableObjectError: In share mode, for a non-leaf tensor that requires grad.
+        """
+        if not _is_plain_tensor(t):
+            return NotImplemented
+        if not self.copy_tensor and t.requires_grad and not t.is_leaf:
+            raise UnpicklableObjectError(
+                "a non-leaf tensor that requires grad cannot be shared (torch refuses to share autograd "
+                "history); "
+                "send t.detach() instead, or use copy_tensor=True"
+            )
+        index = self._storage_index(t.untyped_storage())
+        return (
+            _rebuild_tensor,
+            (
+                index,
+                t.dtype,
+                tuple(t.shape),
+                t.stride(),
+                t.storage_offset(),
+                t.requires_grad,
+                type(t) is torch.nn.Parameter,
+            ),
+        )
+
+    def reduce_untyped_storage(self, storage: torch.UntypedStorage) -> Reduced | Any:
+        """Reduce an ``UntypedStorage`` to a reference into the table.
+
+        Args:
+            storage: The storage.
+
+        Returns:
+            A reduce tuple, or ``NotImplemented`` for devices other than CPU and CUDA.
+        """
+        if storage.device.type not in ("cpu", "cuda"):
+            return NotImplemented
+        return (_rebuild_storage, (self._storage_index(storage),))
+
+    def reduce_typed_storage(self, storage: torch.TypedStorage) -> Reduced | Any:
+        """Reduce a legacy ``TypedStorage``: torch's share reducer in share mode, torch's own copy otherwise.
+
+        Args:
+            storage: The typed storage.
+
+        Returns:
+            A reduce tuple, or ``NotImplemented`` (copy mode: ``TypedStorage.__reduce__`` copies it).
+        """
+        if self.copy_tensor:
+            return NotImplemented
+        if type(storage) is torch.TypedStorage:
+            return reductions.reduce_typed_storage(storage)  # type: ignore[no-untyped-call]
+        return reductions.reduce_typed_storage_child(storage)  # type: ignore[no-untyped-call]
+
+    def reduce_event(self, event: torch.cuda.Event) -> Reduced:
+        """Reduce a ``torch.cuda.Event`` to an IPC handle (events are always shared, in both modes).
+
+        Args:
+            event: An event created with ``interprocess=True``.
+
+        Returns:
+            A reduce tuple.
+        """
+        return reductions.reduce_event(event)  # type: ignore[no-untyped-call,no-any-return]
+
+    # -- phase 2 ---------------------------------------------------------------------------------------------
+    def materialize(self) -> list[tuple[Any, ...]]:
+        """Turn every storage into a table entry: raw bytes or a share handle.
+
+        Returns:
+            One entry per storage, in index order.
+
+        Raises:
+            UnpicklableObjectError: If torch cannot share a storage (for example a CUDA tensor received from
+                another process, which must be cloned before it is sent on).
+        """
+        entries: list[tuple[Any, ...]] = []
+        for index, storage in enumerate(self.storages):
+            try:
+                entries.append(self._entry(storage))
+            except (RuntimeError, OSError) as exc:
+                hint = ""
+                if storage.device.type == "cuda" and not self.copy_tensor:
+                    hint = (
+                        " (a CUDA tensor received from another process cannot be re-sent: clone() it first)"
+                    )
+                raise UnpicklableObjectError(
+                    f"tensor storage #{index} ({storage.nbytes()} bytes on {storage.device}) could not be "
+                    f"{'copied' if self.copy_tensor else 'shared'}: {exc}{hint}"
+                ) from exc
+        return entries
+
+    def _entry(self, storage: torch.UntypedStorage) -> tuple[Any, ...]:
+        device = storage.device
+        if self.copy_tensor:
+            host = storage if device.type == "cpu" else storage.cpu()  # type: ignore[no-untyped-call]
+            self._keep.append(host)
+            return (_COPY, str(device), _host_buffer(host))
+        if device.type == "cuda":
+            # torch shares CUDA memory per tensor; a uint8 view over the whole storage shares the storage, so
+            # every tensor of the payload can be rebuilt on it (views stay aliased on the consumer too).
+            whole = torch.empty((0,), dtype=torch.uint8, device=device).set_(storage)
+            rebuild, args = SHARE_REDUCERS[torch.Tensor](whole)
+            return (_SHARE_CUDA, str(device), rebuild, args)
+        # CPU: moves an unshared storage into shared memory (one copy; tensors on it see is_shared() == True).
+        # file_descriptor strategy: the fd is dup'd into multiprocessing's resource_sharer, and the consumer
+        # fetches it from this process, so this process must be alive at load time; the dup is released by the
+        # load.
+        rebuild, args = SHARE_REDUCERS[torch.UntypedStorage](storage)
+        return (_SHARE, rebuild, args)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Load side
+# ----------------------------------------------------------------------------------------------------------
+def _check_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = 0 if dev.index is None else dev.index
+        if index >= count:
+            raise PayloadError(
+                f"the payload holds a tensor on {device}, but this process sees {count} CUDA device(s); "
+                "load it where that device exists, or dump with the tensor moved to the CPU"
+            )
+    elif dev.type != "cpu":
+        raise PayloadError(f"the payload holds a tensor on unsupported device {device!r}")
+    return dev
+
+
+def materialize_entry(entry: tuple[Any, ...]) -> torch.UntypedStorage:
+    """Turn one table entry back into a storage.
+
+    Args:
+        entry: A table entry written by :meth:`StorageTable.materialize`.
+
+    Returns:
+        The storage: a fresh one (copy) or one aliasing the producer's memory (share).
+
+    Raises:
+        PayloadError: For a malformed entry or a missing device.
+        SharedHandleError: If a share handle cannot be opened (producer gone, payload loaded twice).
+    """
+    tag = entry[0]
+    if tag == _COPY:
+        _, device, data = entry
+        dev = _check_device(device)
+        if len(data) == 0:
+            return torch.UntypedStorage(0, device=dev)  # type: ignore[no-untyped-call]
+        if not isinstance(data, bytearray):  # read-only buffers would make frombuffer warn
+            data = bytearray(data)
+        host = torch.frombuffer(data, dtype=torch.uint8)
+        return (host if dev.type == "cpu" else host.to(dev)).untyped_storage()
+    if tag in (_SHARE, _SHARE_CUDA):
+        if tag == _SHARE_CUDA:
+            _, device, rebuild, args = entry
+            _check_device(device)
+        else:
+            _, rebuild, args = entry
+        try:
+            result = rebuild(*args)
+        except (OSError, EOFError, RuntimeError, KeyError, ValueError) as exc:
+            raise SharedHandleError(
+                f"could not open a shared tensor handle ({type(exc).__name__}: {exc}). Share payloads are "
+                "one-shot (load each exactly once) and, with the 'file_descriptor' strategy, the producing "
+                "process must be alive when the payload is loaded"
+            ) from exc
+        return result.untyped_storage() if tag == _SHARE_CUDA else result  # type: ignore[no-any-return]
+    raise PayloadError(
+        f"unknown storage table entry tag {tag!r} (expected {_COPY}, {_SHARE} or {_SHARE_CUDA})"
+    )
+
+
+class installed_storages:  # noqa: N801 - used like a function: `with installed_storages(storages):`
+    """Context manager that makes ``storages`` the current thread's table while a graph is unpickled.
+
+    Nested loads (an object whose ``__setstate__`` calls :func:`pc_pickle.loads`) save and restore the outer
+    table.
+
+    Args:
+        storages: The materialized storages of the payload being loaded.
+    """
+
+    def __init__(self, storages: list[torch.UntypedStorage]) -> None:
+        self._storages = storages
+        self._previous: list[torch.UntypedStorage] | None = None
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_local, "storages", None)
+        _local.storages = self._storages
+
+    def __exit__(self, *exc: object) -> None:
+        _local.storages = self._previous
+
+
+def current_storages() -> list[torch.UntypedStorage]:
+    """The storages of the payload this thread is loading.
+
+    Returns:
+        The list installed by :class:`installed_storages`.
+
+    Raises:
+        PayloadError: When called outside a payload load (a tensor reference was unpickled on its own).
+    """
+    storages: list[torch.UntypedStorage] | None = getattr(_local, "storages", None)
+    if storages is None:
+        raise PayloadError(
+            "a pc_pickle tensor reference was unpickled outside its payload; use pc_pickle.loads"
+        )
+    return storages
+
+
+def _storage_at(index: int) -> torch.UntypedStorage:
+    storages = current_storages()
+    if not 0 <= index < len(storages):
+        raise PayloadError(
+            f"tensor refers to storage #{index}, but the payload has {len(storages)} storage(s)"
+        )
+    return storages[index]
+
+
+def _rebuild_tensor(
+    index: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    offset: int,
+    requires_grad: bool,
+    is_parameter: bool,
+) -> torch.Tensor:
+    storage = _storage_at(index)
+    t = torch.empty((0,), dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
+    if is_parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _rebuild_storage(index: int) -> torch.UntypedStorage:
+    return _storage_at(index)

@@ -1,0 +1,186 @@
+"""Functions and classes: lambdas, closures, local classes, recurse, __main__ code, static modules."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pickle
+import subprocess
+import sys
+import textwrap
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import pc_pickle
+
+pytestmark = pytest.mark.filterwarnings("error")
+
+GLOBAL_OFFSET = 10
+
+
+def _round_trip(obj: object, **kwargs: bool) -> object:
+    return pc_pickle.loads(pc_pickle.dumps(obj, **kwargs))
+
+
+def test_lambda_and_closure_over_tensor() -> None:
+    weight = torch.arange(3.0)
+
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x * weight
+
+    loaded = _round_trip({"lam": lambda x: x + 1, "scale": scale, "weight": weight})
+    assert isinstance(loaded, dict)
+    assert loaded["lam"](1) == 2
+    assert torch.equal(loaded["scale"](torch.ones(3)), weight)
+    # The closure's tensor and the graph's tensor share one storage (one table per payload).
+    cell_tensor = loaded["scale"].__closure__[0].cell_contents
+    assert cell_tensor.untyped_storage().data_ptr() == loaded["weight"].untyped_storage().data_ptr()
+
+
+def test_closure_over_shared_tensor_aliases() -> None:
+    acc = torch.zeros(2)
+    loaded = _round_trip(lambda: acc.add_(1), copy_tensor=False)
+    assert callable(loaded)
+    loaded()
+    assert torch.equal(acc, torch.ones(2))
+
+
+def test_local_class_instances_and_bound_methods() -> None:
+    class Counter:
+        def __init__(self, start: int) -> None:
+            self.value = start
+
+        def bump(self) -> int:
+            self.value += 1
+            return self.value
+
+    counter = Counter(4)
+    out_counter, out_bump, out_cls = _round_trip([counter, counter.bump, Counter])  # type: ignore[misc]
+    assert type(out_counter).__name__ == "Counter"
+    assert out_counter.value == 4
+    assert out_bump() == 5
+    assert out_cls(1).bump() == 2
+
+
+def test_importable_functions_go_by_reference() -> None:
+    data = pc_pickle.dumps([torch.add, _round_trip, inspect.getfile])
+    assert b"dill" not in data
+    assert _round_trip([torch.add, _round_trip]) == [torch.add, _round_trip]
+
+
+def test_recurse_carries_globals_by_value() -> None:
+    fn = eval("lambda x: x + GLOBAL_OFFSET", {"GLOBAL_OFFSET": 5})  # globals are not a module's
+    assert callable(fn)
+    assert _round_trip(fn, recurse=True)(1) == 6  # type: ignore[operator]
+    here = _round_trip(lambda x: x + GLOBAL_OFFSET)  # recurse=False: looked up in this module on load
+    assert here(1) == 11  # type: ignore[operator]
+
+
+def test_nn_module_with_lambda_attribute() -> None:
+    model = torch.nn.Linear(3, 2)
+    model.activation = lambda x: x.relu()  # type: ignore[assignment]
+    loaded = _round_trip(model)
+    assert isinstance(loaded, torch.nn.Linear)
+    x = torch.randn(4, 3)
+    assert torch.equal(loaded.activation(loaded(x)), model(x).relu())  # type: ignore[operator]
+
+
+@pytest.fixture
+def cdll_module(tmp_path: Path) -> Iterator[types.ModuleType]:
+    """A module outside site-packages that holds a ctypes.CDLL (dill would pickle it by value)."""
+    name = f"pickle_cdll_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text("import ctypes\nLIB = ctypes.CDLL(None)\nVALUE = 41\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.filterwarnings("ignore::dill.PicklingWarning")
+def test_mark_static_module_twice(cdll_module: types.ModuleType) -> None:
+    mod = cdll_module
+
+    def reader() -> int:
+        return int(mod.VALUE) + 1
+
+    with pytest.raises(pickle.PicklingError):
+        pc_pickle.dumps(reader)  # by value: the CDLL cannot be pickled
+    pc_pickle.mark_static_module(mod)
+    pc_pickle.mark_static_module(mod)  # idempotent
+    loaded = _round_trip(reader)
+    assert loaded() == 42  # type: ignore[operator]
+    assert loaded.__closure__[0].cell_contents is mod  # type: ignore[attr-defined]
+    assert inspect.getfile(mod).endswith(".py")  # the module was not mutated
+
+
+def test_mark_static_module_rejects_non_modules() -> None:
+    with pytest.raises(TypeError, match="expects a module object, got str"):
+        pc_pickle.mark_static_module("os")  # type: ignore[arg-type]
+
+
+_PRODUCER = textwrap.dedent(
+    """
+    import sys, torch, pc_pickle
+    SCALE = 3
+    def scaled(x):
+        return x * SCALE + BIAS.item()
+    BIAS = torch.tensor(0.5)
+    sys.stdout.buffer.write(pc_pickle.dumps([pc_pickle.dumps(scaled, recurse=True),
+                                             pc_pickle.dumps(scaled, recurse=False)]))
+    """
+)
+_CONSUMER = textwrap.dedent(
+    """
+    import copyreg, sys, warnings, dill, torch, torch.multiprocessing as tmp
+    from multiprocessing.reduction import ForkingPickler
+    def snapshot():
+        return (tmp.get_sharing_strategy(), dict(ForkingPickler._extra_reducers),
+        dict(copyreg.dispatch_table),
+                dict(dill.settings), list(warnings.filters), dict(dill.Pickler.dispatch))
+    before = snapshot()
+    import pc_pickle
+    with_globals, without = pc_pickle.loads(sys.stdin.buffer.read())
+    fn = pc_pickle.loads(with_globals)
+    try:
+        pc_pickle.loads(without)(2)
+        outcome = "no error"
+    except NameError as exc:
+        outcome = "NameError"
+    repickled = pc_pickle.dumps(fn, recurse=True)
+    unchanged = snapshot() == before
+    sys.stdout.buffer.write(pc_pickle.dumps([fn(2), outcome, repickled, unchanged]))
+    """
+)
+
+
+def _python(code: str, stdin: bytes) -> bytes:
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=stdin, capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout
+
+
+def test_main_function_in_fresh_interpreter_and_import_hygiene() -> None:
+    payload = _python(_PRODUCER, b"")
+    value, outcome, repickled, unchanged = pc_pickle.loads(_python(_CONSUMER, payload))
+    # Importing pc_pickle, loading and dumping changed no global table, setting, strategy or warning filter.
+    assert unchanged
+    assert value == 6.5  # recurse=True carried SCALE and BIAS
+    assert outcome == "NameError"  # recurse=False: looked up in the loader's __main__, as dill does
+    fn = pc_pickle.loads(repickled)
+    assert fn(4) == 12.5
+
+
+def test_functions_in_containers_share_one_dill_payload() -> None:
+    fn: Callable[[int], int] = lambda x: x  # noqa: E731
+    data = pc_pickle.dumps([fn] * 50)
+    assert len(data) < 2 * len(pc_pickle.dumps([fn]))
+    out = pc_pickle.loads(data)
+    assert all(f is out[0] for f in out)

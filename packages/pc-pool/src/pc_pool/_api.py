@@ -1,0 +1,262 @@
+"""The caller-facing methods shared by process and thread pools (apply, map, imap, starmap and async forms).
+
+Subclasses provide ``_check_running()`` (raise ``ValueError("Pool not running")``), ``_submit(func, mode,
+chunks, result)`` (queue the chunks of one job), ``_processes`` and ``_cache``. Chunking follows the stdlib
+and machin: ``map`` uses ``chunksize = ceil(len / (4 * processes))``; ``imap``/``imap_unordered`` with
+``chunksize > 1`` return a list (as machin did).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pc_pool._protocol import MODE_APPLY, MODE_MAP, MODE_STAR
+from pc_pool.results import AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult
+
+__all__ = ["PoolFrontend", "default_chunksize"]
+
+_job_ids = itertools.count()
+_job_ids_lock = threading.Lock()
+
+
+def _next_job_id() -> int:
+    with _job_ids_lock:
+        return next(_job_ids)
+
+
+def default_chunksize(length: int, processes: int) -> int:
+    """``ceil(length / (4 * processes))``, at least 1."""
+    return max(1, -(-length // (4 * processes)))
+
+
+def _check_func(func: Any) -> None:
+    if not callable(func):
+        raise TypeError(f"func must be callable, got {type(func).__name__}: {func!r}")
+
+
+def _check_chunksize(chunksize: Any) -> int:
+    if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1:
+        raise ValueError(f"chunksize must be an int >= 1, got {chunksize!r}")
+    return chunksize
+
+
+def _materialize(iterable: Iterable[Any]) -> list[Any]:
+    if not hasattr(iterable, "__iter__"):
+        raise TypeError(f"iterable must be iterable, got {type(iterable).__name__}")
+    return list(iterable)
+
+
+class PoolFrontend:
+    """Mixin with the stdlib pool call API on top of ``_submit``."""
+
+    _processes: int
+    _cache: dict[int, Any]
+
+    def _check_running(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _submit(self, func: Callable[..., Any], mode: int, chunks: list[list[Any]], result: Any) -> None:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def _handle_interrupt(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def size(self) -> int:
+        """Return the number of workers of the pool."""
+        return self._processes
+
+    # -- apply -----------------------------------------------------------------------------------------------
+    def apply(
+        self, func: Callable[..., Any], args: Iterable[Any] = (), kwds: dict[str, Any] | None = None
+    ) -> Any:
+        """Equivalent of ``func(*args, **kwds)``, run in a worker.
+
+        Args:
+            func: Function to call (lambdas and closures work).
+            args: Arguments provided to the function call.
+            kwds: Keyword arguments provided to the function call.
+
+        Returns:
+            Function call result.
+        """
+        return self.apply_async(func, args, kwds).get()
+
+    def apply_async(
+        self,
+        func: Callable[..., Any],
+        args: Iterable[Any] = (),
+        kwds: dict[str, Any] | None = None,
+        callback: Callable[[Any], object] | None = None,
+        error_callback: Callable[[BaseException], object] | None = None,
+    ) -> AsyncResult:
+        """Asynchronous version of :meth:`apply`.
+
+        Args:
+            func: Function to call.
+            args: Arguments provided to the function call.
+            kwds: Keyword arguments provided to the function call.
+            callback: Callback function to apply on the result.
+            error_callback: Callback function to apply on the exception instance.
+
+        Returns:
+            An instance of :class:`~pc_pool.AsyncResult`.
+
+        Raises:
+            ValueError: The pool is not running.
+            TypeError: ``func`` is not callable or ``kwds`` is not a mapping.
+        """
+        self._check_running()
+        _check_func(func)
+        if kwds is not None and not isinstance(kwds, dict):
+            raise TypeError(f"kwds must be a dict or None, got {type(kwds).__name__}")
+        result = AsyncResult(_next_job_id(), self._cache, callback, error_callback)
+        self._submit(func, MODE_APPLY, [[(tuple(args), dict(kwds or {}))]], result)
+        return result
+
+    # -- map / starmap ---------------------------------------------------------------------------------------
+    def _map_async(
+        self,
+        func: Callable[..., Any],
+        iterable: Iterable[Any],
+        chunksize: int | None,
+        callback: Callable[[Any], object] | None,
+        error_callback: Callable[[BaseException], object] | None,
+        mode: int,
+    ) -> MapResult:
+        self._check_running()
+        _check_func(func)
+        items = _materialize(iterable)
+        size = (
+            default_chunksize(len(items), self._processes)
+            if chunksize is None
+            else _check_chunksize(chunksize)
+        )
+        result = MapResult(_next_job_id(), self._cache, size, len(items), callback, error_callback)
+        if items:
+            self._submit(func, mode, [items[i : i + size] for i in range(0, len(items), size)], result)
+        return result
+
+    def map(
+        self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int | None = None
+    ) -> list[Any]:
+        """Apply ``func`` to each element of ``iterable`` and return the results in order.
+
+        Args:
+            func: Function to call.
+            iterable: A collection of single arguments provided to the function call.
+            chunksize: Size of the chunks of ``iterable`` sent to workers (default ``ceil(len / (4 * n))``).
+
+        Returns:
+            A list of the results.
+        """
+        return self.map_async(func, iterable, chunksize).get()  # type: ignore[no-any-return]
+
+    def map_async(
+        self,
+        func: Callable[[Any], Any],
+        iterable: Iterable[Any],
+        chunksize: int | None = None,
+        callback: Callable[[Any], object] | None = None,
+        error_callback: Callable[[BaseException], object] | None = None,
+    ) -> MapResult:
+        """Asynchronous version of :meth:`map`.
+
+        Args:
+            func: Function to call.
+            iterable: A collection of single arguments provided to the function call.
+            chunksize: Size of the chunks of ``iterable`` sent to workers.
+            callback: Callback function to apply on the list of results.
+            error_callback: Callback function to apply on the first exception.
+
+        Returns:
+            An instance of :class:`~pc_pool.MapResult`.
+        """
+        return self._map_async(func, iterable, chunksize, callback, error_callback, MODE_MAP)
+
+    def starmap(
+        self, func: Callable[..., Any], iterable: Iterable[Iterable[Any]], chunksize: int | None = None
+    ) -> list[Any]:
+        """Like :meth:`map`, but each element is unpacked as arguments: ``func(*element)``.
+
+        Args:
+            func: Function to call.
+            iterable: A collection of tuples of arguments provided to the function call.
+            chunksize: Size of the chunks of ``iterable`` sent to workers.
+
+        Returns:
+            A list of the results.
+        """
+        return self.starmap_async(func, iterable, chunksize).get()  # type: ignore[no-any-return]
+
+    def starmap_async(
+        self,
+        func: Callable[..., Any],
+        iterable: Iterable[Iterable[Any]],
+        chunksize: int | None = None,
+        callback: Callable[[Any], object] | None = None,
+        error_callback: Callable[[BaseException], object] | None = None,
+    ) -> MapResult:
+        """Asynchronous version of :meth:`starmap`.
+
+        Args:
+            func: Function to call.
+            iterable: A collection of tuples of arguments provided to the function call.
+            chunksize: Size of the chunks of ``iterable`` sent to workers.
+            callback: Callback function to apply on the list of results.
+            error_callback: Callback function to apply on the first exception.
+
+        Returns:
+            An instance of :class:`~pc_pool.MapResult`.
+        """
+        return self._map_async(func, iterable, chunksize, callback, error_callback, MODE_STAR)
+
+    # -- imap ------------------------------------------------------------------------------------------------
+    def _imap(
+        self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int, cls: type[IMapIterator]
+    ) -> IMapIterator | list[Any]:
+        self._check_running()
+        _check_func(func)
+        if _check_chunksize(chunksize) > 1:
+            return self.map(func, iterable, chunksize)
+        items = _materialize(iterable)
+        result = cls(_next_job_id(), self._cache, len(items))
+        if items:
+            self._submit(func, MODE_MAP, [[x] for x in items], result)
+        return result
+
+    def imap(
+        self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1
+    ) -> IMapIterator | list[Any]:
+        """Like :meth:`map`, but yields results one at a time, in order.
+
+        Args:
+            func: Function to call.
+            iterable: A collection of single arguments provided to the function call.
+            chunksize: Size of the chunks sent to workers.
+
+        Returns:
+            An :class:`~pc_pool.IMapIterator` when ``chunksize`` is 1, else a list of results (as in machin).
+        """
+        return self._imap(func, iterable, chunksize, IMapIterator)
+
+    def imap_unordered(
+        self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1
+    ) -> IMapIterator | list[Any]:
+        """Like :meth:`imap`, but results come in completion order.
+
+        Args:
+            func: Function to call.
+            iterable: A collection of single arguments provided to the function call.
+            chunksize: Size of the chunks sent to workers.
+
+        Returns:
+            An :class:`~pc_pool.IMapUnorderedIterator` when ``chunksize`` is 1, else a list of results.
+        """
+        return self._imap(func, iterable, chunksize, IMapUnorderedIterator)
+
+    # -- misc ------------------------------------------------------------------------------------------------
+    def __reduce__(self) -> Any:
+        raise NotImplementedError("pool objects cannot be passed between processes or pickled")

@@ -1,0 +1,61 @@
+"""Wire format between the parent and one worker (one task pipe and one result pipe per worker).
+
+A message is a small header pickled with the stdlib pickle (so the receiver can always read *who* it is about)
+plus an optional pc_pickle payload. Payloads up to ``_INLINE`` bytes ride inside the header (one write);
+larger ones follow as a second message, so a 100 MB tensor is never copied into a header.
+
+Parent -> worker: ``(job, chunk, mode, func_blob | None, drops)`` + the arguments payload; ``EXIT`` (empty
+bytes) asks the worker to leave. Worker -> parent: ``(kind, job, chunk, text)`` + a payload, where kind is one
+of the ``K_*`` constants.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.pool
+import pickle
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = [
+    "EXIT",
+    "K_ENC",
+    "K_ERR",
+    "K_INIT_ERR",
+    "K_OK",
+    "K_READY",
+    "K_RETIRE",
+    "MODE_APPLY",
+    "MODE_MAP",
+    "MODE_STAR",
+    "MaybeEncodingError",
+    "recv_msg",
+    "send_msg",
+]
+
+# The stdlib's error for a result or exception that cannot travel (reprs only, so it always pickles).
+MaybeEncodingError: type[Exception] = multiprocessing.pool.MaybeEncodingError  # type: ignore[attr-defined]
+
+EXIT = b""
+MODE_APPLY, MODE_MAP, MODE_STAR = 0, 1, 2
+K_OK, K_ERR, K_ENC, K_READY, K_RETIRE, K_INIT_ERR = range(6)
+_INLINE = 1 << 16
+
+
+def send_msg(conn: Connection, header: tuple[Any, ...], blob: bytes | None) -> None:
+    """Send ``header`` and ``blob`` (inline when small, as a second message when large)."""
+    if blob is not None and len(blob) > _INLINE:
+        conn.send_bytes(pickle.dumps((header, None, True), protocol=5))
+        conn.send_bytes(blob)
+    else:
+        conn.send_bytes(pickle.dumps((header, blob, False), protocol=5))
+
+
+def recv_msg(conn: Connection) -> tuple[tuple[Any, ...], bytes | None] | None:
+    """Receive one message; ``None`` for ``EXIT``. Raises ``EOFError`` when the peer is gone."""
+    data = conn.recv_bytes()
+    if data == EXIT:
+        return None
+    header, blob, follows = pickle.loads(data)
+    if follows:
+        blob = conn.recv_bytes()
+    return header, blob

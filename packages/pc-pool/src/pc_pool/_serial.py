@@ -1,0 +1,48 @@
+"""The one place where pc_pool touches pc_pickle (serialization of tasks, results and queue items).
+
+Everything that crosses a process boundary goes through :func:`dumps` and :func:`loads` here, so a change in
+pc_pickle's API touches this file only. ``copy_tensor`` selects copy (tensors travel as bytes) or share
+(shared memory / CUDA IPC handles, one-shot: load each payload exactly once, while the producer is alive).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pc_pickle
+
+__all__ = ["dumps", "loads"]
+
+
+def dumps(obj: Any, *, recurse: bool = False, copy_tensor: bool = True) -> bytes:
+    """Serialize ``obj`` with pc_pickle.
+
+    Args:
+        obj: Anything pc_pickle can pickle (lambdas, closures and tensors included).
+        recurse: Carry the globals referenced by functions pickled by value.
+        copy_tensor: ``True`` copies tensors into the payload; ``False`` shares them.
+
+    Returns:
+        The payload.
+
+    Raises:
+        pickle.PicklingError: ``obj`` cannot be pickled; the message names the path to the culprit.
+    """
+    try:
+        return pc_pickle.dumps(obj, recurse=recurse, copy_tensor=copy_tensor)
+    except pickle.PicklingError:
+        raise
+    except RecursionError as exc:
+        raise pickle.PicklingError(f"cannot pickle {type(obj).__name__}: recursion too deep") from exc
+    except Exception as exc:
+        # pc_pickle documents PicklingError; anything else (TypeError from a reducer, ...) is normalised so
+        # callers have one error type to handle.
+        raise pickle.PicklingError(
+            f"cannot pickle {type(obj).__name__}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def loads(data: bytes) -> Any:
+    """Deserialize a payload produced by :func:`dumps` (in this process or another one)."""
+    return pc_pickle.loads(data)

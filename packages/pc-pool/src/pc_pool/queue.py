@@ -1,0 +1,193 @@
+"""Inter-process queues over pipes: :class:`SimpleQueue`, :class:`SimpleP2PQueue` and :class:`MultiP2PQueue`.
+
+Items travel through pc_pickle, so lambdas and tensors cross; ``copy_tensor=False`` (the default, as in
+machin) shares tensors, ``True`` copies them. A queue is passed to child processes as a ``Process`` argument
+(it pickles only while spawning). Every ``get`` takes a timeout and raises ``multiprocessing.TimeoutError``
+when it expires.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from pc_pool import _serial
+
+__all__ = ["MultiP2PQueue", "SimpleP2PQueue", "SimpleQueue"]
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _timeout_error(timeout: float | None) -> multiprocessing.TimeoutError:
+    return multiprocessing.TimeoutError(f"no item arrived within {timeout} s")
+
+
+class SimpleP2PQueue:
+    """A one-to-one queue (one sender process, one receiver process) over one pipe, without locks.
+
+    Args:
+        copy_tensor: Copy tensors (``True``) or share them (``False``, default).
+    """
+
+    def __init__(self, *, copy_tensor: bool = False) -> None:
+        self._reader, self._writer = multiprocessing.Pipe(duplex=False)
+        self._copy_tensor = bool(copy_tensor)
+
+    def __getstate__(self) -> dict[str, Any]:
+        multiprocessing.context.assert_spawning(self)
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def empty(self) -> bool:
+        """Return whether no item is waiting."""
+        return not self._reader.poll(0)
+
+    def close(self) -> None:
+        """Close both ends of the pipe in this process."""
+        self._reader.close()
+        self._writer.close()
+
+    def put(self, obj: Any) -> None:
+        """Put an object into the queue.
+
+        Raises:
+            pickle.PicklingError: ``obj`` cannot be pickled.
+        """
+        self._writer.send_bytes(_serial.dumps(obj, copy_tensor=self._copy_tensor))
+
+    def get(self, timeout: float | None = None) -> Any:
+        """Get an object from the queue, waiting up to ``timeout`` seconds (``None``: until one arrives).
+
+        Raises:
+            multiprocessing.TimeoutError: Nothing arrived within ``timeout``.
+            EOFError: Every writer closed the queue.
+        """
+        if not self._reader.poll(timeout):
+            raise _timeout_error(timeout)
+        return _serial.loads(self._reader.recv_bytes())
+
+    @property
+    def reader(self) -> Connection:
+        """The read end of the pipe (for ``multiprocessing.connection.wait``)."""
+        return self._reader
+
+
+class SimpleQueue(SimpleP2PQueue):
+    """A many-to-many queue over one pipe: any number of senders and receivers, in any processes.
+
+    Unlike ``multiprocessing.SimpleQueue`` (and machin), ``get`` waits for data *without* holding the read
+    lock and takes the lock only to read a message that is ready, so a receiver killed while idle never blocks
+    the others, and ``timeout`` bounds the whole call.
+
+    Args:
+        ctx: The ``multiprocessing`` context for the locks (default: spawn, usable by fork children too).
+        copy_tensor: Copy tensors (``True``) or share them (``False``, default).
+    """
+
+    def __init__(
+        self, *, ctx: multiprocessing.context.BaseContext | None = None, copy_tensor: bool = False
+    ) -> None:
+        super().__init__(copy_tensor=copy_tensor)
+        ctx = ctx if ctx is not None else multiprocessing.get_context("spawn")
+        self._rlock = ctx.Lock()
+        self._wlock = ctx.Lock()
+
+    def put(self, obj: Any) -> None:
+        """Put an object into the queue (serialized before the write lock is taken).
+
+        Raises:
+            pickle.PicklingError: ``obj`` cannot be pickled.
+        """
+        data = _serial.dumps(obj, copy_tensor=self._copy_tensor)
+        with self._wlock:
+            self._writer.send_bytes(data)
+
+    def get(self, timeout: float | None = None) -> Any:
+        """Get an object, waiting up to ``timeout`` seconds for the whole call (``None``: until one arrives).
+
+        Raises:
+            multiprocessing.TimeoutError: Nothing arrived within ``timeout``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if not self._reader.poll(_remaining(deadline)):
+                raise _timeout_error(timeout)
+            left = _remaining(deadline)
+            if not self._rlock.acquire(timeout=-1 if left is None else left):
+                raise _timeout_error(timeout)
+            try:
+                # Another receiver may have taken the message between our poll and the lock.
+                data = self._reader.recv_bytes() if self._reader.poll(0) else None
+            finally:
+                self._rlock.release()
+            if data is not None:
+                return _serial.loads(data)
+
+
+class MultiP2PQueue:
+    """``queue_num`` one-to-one queues; ``put`` goes round-robin, ``get`` takes from whichever has an item.
+
+    Args:
+        queue_num: Number of underlying :class:`SimpleP2PQueue` instances.
+        copy_tensor: Copy tensors (``True``) or share them (``False``, default).
+
+    Raises:
+        ValueError: ``queue_num < 1``.
+    """
+
+    def __init__(self, queue_num: int, *, copy_tensor: bool = False) -> None:
+        if isinstance(queue_num, bool) or not isinstance(queue_num, int) or queue_num < 1:
+            raise ValueError(f"queue_num must be an int >= 1, got {queue_num!r}")
+        self.queues = [SimpleP2PQueue(copy_tensor=copy_tensor) for _ in range(queue_num)]
+        self._next = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        multiprocessing.context.assert_spawning(self)
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def empty(self) -> bool:
+        """Return whether every underlying queue is empty."""
+        return all(q.empty() for q in self.queues)
+
+    def close(self) -> None:
+        """Close every underlying queue in this process."""
+        for q in self.queues:
+            q.close()
+
+    def put(self, obj: Any) -> None:
+        """Put ``obj`` into the next queue, round-robin."""
+        index = self._next
+        self._next = (index + 1) % len(self.queues)
+        self.queues[index].put(obj)
+
+    def put_to(self, index: int, obj: Any) -> None:
+        """Put ``obj`` into queue ``index``.
+
+        Raises:
+            IndexError: ``index`` is out of range.
+        """
+        if not 0 <= index < len(self.queues):
+            raise IndexError(f"queue index must be in [0, {len(self.queues)}), got {index}")
+        self.queues[index].put(obj)
+
+    def get(self, timeout: float | None = None) -> Any:
+        """Get an object from any queue that has one, waiting up to ``timeout`` seconds.
+
+        Raises:
+            multiprocessing.TimeoutError: Nothing arrived within ``timeout``.
+        """
+        readers = {q.reader: q for q in self.queues}
+        ready = wait(list(readers), timeout)
+        if not ready:
+            raise _timeout_error(timeout)
+        return readers[ready[0]].get(0)  # type: ignore[index]

@@ -1,0 +1,324 @@
+"""Result handles: :class:`AsyncResult`, :class:`MapResult`, :class:`IMapIterator` and its unordered twin.
+
+A handle is registered in its pool's job table (``cache``) under its job id and filled chunk by chunk by the
+pool's threads through ``_set(chunk_index, success, value)``; ``_fail(exc)`` fails whatever is still pending
+(``terminate()``). Callbacks run in the thread that completes the handle, *before* waiters wake (the stdlib
+order); a callback that raises is logged to ``logging.getLogger("pc_pool")`` and never breaks the pool.
+
+Every wait takes a timeout; ``multiprocessing.TimeoutError`` reports an expired one. A ``KeyboardInterrupt``
+while waiting terminates the owning pool once and propagates.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+__all__ = ["AsyncResult", "IMapIterator", "IMapUnorderedIterator", "MapResult"]
+
+_log = logging.getLogger("pc_pool")
+
+
+class _Owner(Protocol):
+    def _handle_interrupt(self) -> None: ...  # pragma: no cover - protocol
+
+
+def _run_callback(callback: Callable[[Any], object] | None, arg: Any, what: str) -> None:
+    if callback is None:
+        return
+    try:
+        callback(arg)
+    except Exception:
+        # A raising callback must not kill the thread that delivers results (the stdlib bug): log and go on.
+        _log.exception("pc_pool %s raised; the result is delivered anyway", what)
+
+
+class AsyncResult:
+    """Class whose instances are returned by ``Pool.apply_async()``.
+
+    Args:
+        job: The job id (the key in ``cache``).
+        cache: The pool's job table; the handle adds itself and removes itself once complete.
+        callback: Called with the value on success, in a pool thread, before waiters wake.
+        error_callback: Called with the exception on failure, likewise.
+    """
+
+    def __init__(
+        self,
+        job: int,
+        cache: dict[int, Any],
+        callback: Callable[[Any], object] | None = None,
+        error_callback: Callable[[BaseException], object] | None = None,
+    ) -> None:
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+        if error_callback is not None and not callable(error_callback):
+            raise TypeError(f"error_callback must be callable or None, got {type(error_callback).__name__}")
+        self._job = job
+        self._cache = cache
+        self._callback = callback
+        self._error_callback = error_callback
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._success: bool | None = None
+        self._value: Any = None
+        self._owner: _Owner | None = None
+        cache[job] = self
+
+    # -- waiting ---------------------------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """Return whether the call has completed (successfully or not)."""
+        return self._event.is_set()
+
+    def successful(self) -> bool:
+        """Return whether the call completed without raising.
+
+        Raises:
+            ValueError: The result is not ready yet.
+        """
+        if not self._event.is_set():
+            raise ValueError(f"{self!r} not ready")
+        return bool(self._success)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until the result is available or ``timeout`` seconds pass."""
+        owner = self._owner
+        try:
+            self._event.wait(timeout)
+        except KeyboardInterrupt:
+            if owner is not None:
+                owner._handle_interrupt()
+            raise
+
+    def get(self, timeout: float | None = None) -> Any:
+        """Return the result when it arrives.
+
+        Args:
+            timeout: Seconds to wait; ``None`` waits until the result or an error arrives (a dead worker or
+                ``terminate()`` always produces an error, so this cannot hang on a broken pool).
+
+        Returns:
+            The value the function returned.
+
+        Raises:
+            multiprocessing.TimeoutError: The result did not arrive within ``timeout``.
+            BaseException: The exception the remote call raised, with its remote traceback as ``__cause__``;
+                :class:`~pc_pool.WorkerDiedError` or :class:`~pc_pool.PoolTerminatedError` if it never ran.
+        """
+        self.wait(timeout)
+        if not self._event.is_set():
+            raise multiprocessing.TimeoutError(f"result of job {self._job} not ready after {timeout} s")
+        if self._success:
+            return self._value
+        raise self._value
+
+    # -- filling (pool side) ---------------------------------------------------------------------------------
+    def _set(self, index: int, success: bool, value: Any) -> bool:
+        """Store chunk ``index`` (its list of results, or an exception); return True when complete."""
+        with self._lock:
+            if self._event.is_set():
+                return True
+            self._success = success
+            self._value = value[0] if success else value
+        self._finish()
+        return True
+
+    def _fail(self, exc: BaseException) -> None:
+        """Fail the result now unless it is already complete."""
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._success = False
+            self._value = exc
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._success:
+            _run_callback(self._callback, self._value, "callback")
+        else:
+            _run_callback(self._error_callback, self._value, "error_callback")
+        self._cache.pop(self._job, None)
+        self._owner = None
+        self._event.set()
+
+
+class MapResult(AsyncResult):
+    """Class whose instances are returned by ``Pool.map_async()`` and ``Pool.starmap_async()``.
+
+    The value is the list of all results in order. The first failing chunk's exception is kept; the handle is
+    complete once every chunk has answered (or the pool was terminated).
+
+    Args:
+        job: The job id.
+        cache: The pool's job table.
+        chunksize: Number of elements per chunk.
+        length: Number of elements.
+        callback: Called with the list of results on success.
+        error_callback: Called with the first exception on failure.
+    """
+
+    def __init__(
+        self,
+        job: int,
+        cache: dict[int, Any],
+        chunksize: int,
+        length: int,
+        callback: Callable[[Any], object] | None = None,
+        error_callback: Callable[[BaseException], object] | None = None,
+    ) -> None:
+        super().__init__(job, cache, callback, error_callback)
+        self._success = True
+        self._value = [None] * length
+        self._chunksize = chunksize
+        self._number_left = -(-length // chunksize) if length else 0
+        if self._number_left == 0:
+            self._finish()
+
+    def _set(self, index: int, success: bool, value: Any) -> bool:
+        with self._lock:
+            if self._event.is_set():
+                return True
+            if success:
+                if self._success:
+                    self._value[index * self._chunksize : (index + 1) * self._chunksize] = value
+            elif self._success:
+                self._success = False
+                self._value = value
+            self._number_left -= 1
+            if self._number_left > 0:
+                return False
+        self._finish()
+        return True
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            if self._success:
+                self._success = False
+                self._value = exc
+            self._number_left = 0
+        self._finish()
+
+
+class IMapIterator:
+    """Class whose instances are returned by ``Pool.imap()``: results one at a time, in order.
+
+    An element whose task failed raises its exception from :meth:`next` at that element; iteration may
+    continue past it.
+
+    Args:
+        job: The job id.
+        cache: The pool's job table.
+        length: Number of elements.
+    """
+
+    def __init__(self, job: int, cache: dict[int, Any], length: int) -> None:
+        self._job = job
+        self._cache = cache
+        self._length = length
+        self._cond = threading.Condition(threading.Lock())
+        self._items: dict[int, tuple[bool, Any]] = {}
+        self._index = 0
+        self._arrived = 0
+        self._terminal: BaseException | None = None
+        self._owner: _Owner | None = None
+        if length:
+            cache[job] = self
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        return self.next()
+
+    def __len__(self) -> int:
+        return self._length
+
+    def _available(self) -> bool:
+        return self._index in self._items
+
+    def _pop(self) -> tuple[bool, Any]:
+        return self._items.pop(self._index)
+
+    def next(self, timeout: float | None = None) -> Any:
+        """Return the next result within ``timeout`` seconds.
+
+        Raises:
+            StopIteration: Every result has been returned.
+            multiprocessing.TimeoutError: The next result did not arrive within ``timeout``.
+            BaseException: The exception of the task that produced this element.
+        """
+        owner = self._owner
+        with self._cond:
+            if self._index >= self._length:
+                raise StopIteration
+            try:
+                ok = self._cond.wait_for(lambda: self._available() or self._terminal is not None, timeout)
+            except KeyboardInterrupt:
+                if owner is not None:
+                    owner._handle_interrupt()
+                raise
+            if not ok:
+                raise multiprocessing.TimeoutError(f"element {self._index} of job {self._job} not ready")
+            if self._available():
+                success, value = self._pop()
+            else:
+                success, value = False, self._terminal
+            self._index += 1
+        if success:
+            return value
+        raise value
+
+    def _set(self, index: int, success: bool, value: Any) -> bool:
+        with self._cond:
+            if self._terminal is not None:
+                return True
+            self._items[index] = (success, value[0] if success else value)
+            self._arrived += 1
+            done = self._arrived >= self._length
+            self._cond.notify_all()
+        if done:
+            self._cache.pop(self._job, None)
+            self._owner = None
+        return done
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._arrived >= self._length:
+                return
+            self._terminal = exc
+            self._cond.notify_all()
+        self._cache.pop(self._job, None)
+        self._owner = None
+
+
+class IMapUnorderedIterator(IMapIterator):
+    """Class whose instances are returned by ``Pool.imap_unordered()``: results in completion order."""
+
+    def __init__(self, job: int, cache: dict[int, Any], length: int) -> None:
+        super().__init__(job, cache, length)
+        self._arrivals: collections.deque[tuple[bool, Any]] = collections.deque()
+
+    def _available(self) -> bool:
+        return bool(self._arrivals)
+
+    def _pop(self) -> tuple[bool, Any]:
+        return self._arrivals.popleft()
+
+    def _set(self, index: int, success: bool, value: Any) -> bool:
+        with self._cond:
+            if self._terminal is not None:
+                return True
+            self._arrivals.append((success, value[0] if success else value))
+            self._arrived += 1
+            done = self._arrived >= self._length
+            self._cond.notify_all()
+        if done:
+            self._cache.pop(self._job, None)
+            self._owner = None
+        return done

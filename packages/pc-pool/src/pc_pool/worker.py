@@ -1,0 +1,284 @@
+"""What runs inside a worker process: bootstrap, the task loop, the per-job function cache and context access.
+
+Bootstrap (:func:`worker_main`): ignore SIGINT (the parent handles Ctrl-C), ask Linux to SIGKILL us when the
+parent thread that started us dies (``PR_SET_PDEATHSIG``) and re-check the parent, turn ``faulthandler`` on,
+load the initializer, its arguments and the worker's context, then run the pool's ``worker`` hook.
+
+The task loop (:func:`worker_loop`, the default ``BasePool.worker``) reads one chunk at a time, so the parent
+knows which chunk was running when the worker died. The function of a job arrives with the worker's first
+chunk of that job, is loaded once and cached by job id until the parent says the job ended.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import logging
+import multiprocessing
+import multiprocessing.pool
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from pc_pool import _serial
+from pc_pool._protocol import (
+    K_ENC,
+    K_ERR,
+    K_INIT_ERR,
+    K_OK,
+    K_READY,
+    K_RETIRE,
+    MODE_APPLY,
+    MODE_MAP,
+    MaybeEncodingError,
+    recv_msg,
+    send_msg,
+)
+
+__all__ = ["CtxPoolStorage", "ResultPutter", "TaskGetter", "proxy_ctx_caller", "worker_loop", "worker_main"]
+
+_log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+_Reply = tuple[tuple[Any, ...], "bytes | None"]
+
+
+class CtxPoolStorage:
+    """Holds the context of the current worker of a ``CtxPool``.
+
+    Each worker process has its own memory, so ``storage`` is the context of *this* worker (``None`` outside a
+    context pool). It is set before the initializer runs.
+    """
+
+    storage: Any = None
+
+
+def proxy_ctx_caller(*input_: Any) -> Any:
+    """Call a function with the worker context: ``proxy_ctx_caller(func, *args)`` is ``func(ctx, *args)``.
+
+    Args:
+        *input_: The function, then its positional arguments.
+
+    Returns:
+        What the function returned.
+    """
+    if not input_:
+        raise TypeError("proxy_ctx_caller needs the function as its first argument, got no arguments")
+    func, *args = input_
+    return func(CtxPoolStorage.storage, *args)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Replies
+# ------------------------------------------------------------------------------------------------------------
+def _error_reply(kind: int, job: int, chunk: int, exc: BaseException, copy_tensor: bool) -> _Reply:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        return (kind, job, chunk, tb), _serial.dumps(exc, copy_tensor=copy_tensor)
+    except Exception as dump_exc:
+        # The exception itself cannot travel: send the stdlib's MaybeEncodingError (reprs only) instead.
+        enc = MaybeEncodingError(dump_exc, exc)
+        return (K_ENC if kind == K_ERR else kind, job, chunk, tb), _serial.dumps(enc)
+
+
+class _Task:
+    """One chunk read from the task pipe; calling it runs the chunk and returns the reply (never raises)."""
+
+    __slots__ = ("args_blob", "cache", "chunk", "copy_tensor", "job", "mode")
+
+    def __init__(
+        self, header: tuple[Any, ...], blob: bytes | None, cache: dict[int, Any], copy: bool
+    ) -> None:
+        self.job, self.chunk, self.mode = header[0], header[1], header[2]
+        self.args_blob = blob
+        self.cache = cache
+        self.copy_tensor = copy
+
+    def __call__(self) -> _Reply:
+        try:
+            func = self.cache[self.job]
+            if isinstance(func, _LoadFailure):
+                raise func.exc
+            assert self.args_blob is not None
+            items = _serial.loads(self.args_blob)
+            self.args_blob = None
+            if self.mode == MODE_APPLY:
+                args, kwds = items[0]
+                values = [func(*args, **kwds)]
+            elif self.mode == MODE_MAP:
+                values = [func(x) for x in items]
+            else:
+                values = [func(*x) for x in items]
+        except SystemExit:
+            raise  # sys.exit in a task ends the worker; the parent reports WorkerDiedError
+        except BaseException as exc:
+            return _error_reply(K_ERR, self.job, self.chunk, exc, self.copy_tensor)
+        try:
+            return (K_OK, self.job, self.chunk, None), _serial.dumps(values, copy_tensor=self.copy_tensor)
+        except Exception as exc:
+            enc = MaybeEncodingError(exc, values)
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            return (K_ENC, self.job, self.chunk, tb), _serial.dumps(enc)
+
+
+class _LoadFailure:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class TaskGetter:
+    """``get()`` of the worker loop: the next task, or ``None`` when the parent asks the worker to exit.
+
+    It also exits the process when the parent process is gone (a backstop for ``PR_SET_PDEATHSIG``).
+    """
+
+    def __init__(self, conn: Connection, copy_tensor: bool) -> None:
+        self._conn = conn
+        self._copy = copy_tensor
+        self._funcs: dict[int, Any] = {}
+        parent = multiprocessing.parent_process()
+        self._parent_sentinel = parent.sentinel if parent is not None else None
+
+    def __call__(self) -> _Task | None:
+        """Block until the next message; return the task, or ``None`` for the parent's exit request."""
+        waitables: list[Any] = [self._conn]
+        if self._parent_sentinel is not None:
+            waitables.append(self._parent_sentinel)
+        while not self._conn.poll(0):
+            ready = wait(waitables, timeout=60.0)
+            if self._conn in ready:
+                break
+            if ready:  # the parent sentinel fired: nobody will ever read our results
+                os._exit(1)
+        try:
+            msg = recv_msg(self._conn)
+        except EOFError:
+            os._exit(1)
+        if msg is None:
+            return None
+        header, blob = msg
+        job, _, _, func_blob, drops = header
+        for dropped in drops:
+            self._funcs.pop(dropped, None)
+        if func_blob is not None:
+            try:
+                self._funcs[job] = _serial.loads(func_blob)
+            except SystemExit:
+                raise
+            except BaseException as exc:
+                self._funcs[job] = _LoadFailure(exc)
+        elif job not in self._funcs:
+            self._funcs[job] = _LoadFailure(RuntimeError(f"function of job {job} never reached this worker"))
+        return _Task(header, blob, self._funcs, self._copy)
+
+
+class ResultPutter:
+    """``put(reply)`` of the worker loop: send one reply to the parent."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def __call__(self, reply: _Reply) -> None:
+        """Send ``reply``; exit the process if the parent is gone."""
+        header, blob = reply
+        try:
+            send_msg(self._conn, header, blob)
+        except (BrokenPipeError, ConnectionResetError):
+            os._exit(1)  # the parent is gone
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The loop and the bootstrap
+# ------------------------------------------------------------------------------------------------------------
+def worker_loop(
+    get: Callable[[], Any],
+    put: Callable[[Any], None],
+    initializer: Callable[..., object] | None = None,
+    initargs: tuple[Any, ...] = (),
+    maxtasks: int | None = None,
+) -> None:
+    """The default worker: run the initializer, then tasks until told to exit or ``maxtasks`` are done.
+
+    Args:
+        get: Returns the next task (a callable returning the reply) or ``None`` to exit.
+        put: Sends one reply to the parent.
+        initializer: Called once with ``initargs`` before the first task.
+        initargs: Arguments of ``initializer``.
+        maxtasks: Number of tasks after which the worker retires (``None``: never).
+    """
+    try:
+        if initializer is not None:
+            initializer(*initargs)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        put(_error_reply(K_INIT_ERR, -1, -1, exc, copy_tensor=True))
+        return
+    put(((K_READY, -1, -1, None), None))
+    done = 0
+    while maxtasks is None or done < maxtasks:
+        task = get()
+        if task is None:
+            return
+        put(task())
+        del task
+        done += 1
+    # Retirement handshake: announce it, then drain (without running) whatever was already sent until the
+    # parent acknowledges. The parent loads our fd-shared results while we are still alive and re-dispatches
+    # the rest.
+    put(((K_RETIRE, -1, -1, None), None))
+    while get() is not None:
+        pass
+
+
+def _set_parent_death_signal() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - exotic libc
+        _log.debug("PR_SET_PDEATHSIG unavailable", exc_info=True)
+
+
+def worker_main(
+    worker_fn: Callable[..., None],
+    task_conn: Connection,
+    result_conn: Connection,
+    init_blob: bytes,
+    copy_tensor: bool,
+    maxtasks: int | None,
+    parent_pid: int,
+) -> None:
+    """Entry point of a worker process (the ``target`` of its ``Process``).
+
+    Args:
+        worker_fn: The pool's ``worker`` hook.
+        task_conn: Read end of this worker's task pipe.
+        result_conn: Write end of this worker's result pipe.
+        init_blob: pc_pickle payload of ``(initializer, initargs, has_context, context)``.
+        copy_tensor: Copy (``True``) or share tensors in results.
+        maxtasks: ``maxtasksperchild``.
+        parent_pid: The pool process; if it is already gone, exit at once.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_parent_death_signal()
+    if os.getppid() != parent_pid:  # the parent died before PR_SET_PDEATHSIG took effect
+        os._exit(1)
+    faulthandler.enable()
+    put = ResultPutter(result_conn)
+    try:
+        initializer, initargs, has_ctx, ctx = _serial.loads(init_blob)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        put(_error_reply(K_INIT_ERR, -1, -1, exc, copy_tensor=True))
+        return
+    if has_ctx:
+        CtxPoolStorage.storage = ctx
+    worker_fn(TaskGetter(task_conn, copy_tensor), put, initializer, tuple(initargs), maxtasks)

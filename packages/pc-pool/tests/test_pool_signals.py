@@ -1,0 +1,129 @@
+"""Ctrl-C, parent SIGKILL and interpreter exit, each in a script run in its own process group."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from multiprocessing.connection import wait
+
+import psutil
+import pytest
+
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+
+SCRIPT = r"""
+import os, signal, sys
+import pool_testutils as tu
+from pc_pool import Pool
+
+if __name__ == "__main__":
+    mode, fd = sys.argv[1], int(sys.argv[2])
+    pool = Pool(2, share_method="cpu")
+    result = pool.map_async(tu.sleep_long, range(4), chunksize=1)
+    pids = [w.process.pid for w in pool._workers]
+    os.write(fd, (" ".join(map(str, pids)) + "\n").encode())
+    os.close(fd)
+    if mode == "parent-kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "exit":
+        sys.exit(0)  # no close/terminate: the atexit finalizer must stop the workers
+    result.get(60)  # Ctrl-C arrives here
+"""
+
+
+def _preexec() -> None:
+    os.setpgrp()
+    # Without this, a runner that inherited SIG_IGN for SIGINT would pass the Ctrl-C test vacuously.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _run(tmp_path: pathlib.Path, mode: str) -> tuple[subprocess.Popen[bytes], list[int], pathlib.Path]:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    err = tmp_path / "stderr.txt"
+    r, w = os.pipe()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    with open(tmp_path / "stdout.txt", "wb") as out, open(err, "wb") as errf:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), mode, str(w)],
+            stdout=out,
+            stderr=errf,
+            pass_fds=(w,),
+            preexec_fn=_preexec,
+            env=env,
+        )
+    os.close(w)
+    try:
+        assert wait([r], 120), "the script did not report its workers"
+        line = os.read(r, 4096).decode()
+    finally:
+        os.close(r)
+    assert line.strip(), err.read_text()
+    return proc, [int(p) for p in line.split()], err
+
+
+def _assert_gone(pids: list[int], within: float) -> None:
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    deadline = time.monotonic() + within
+    alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    while alive and time.monotonic() < deadline:
+        _, alive = psutil.wait_procs(alive, timeout=0.2)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"orphaned workers: {[p.pid for p in alive]}"
+
+
+def _cleanup(proc: subprocess.Popen[bytes], pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(30)
+
+
+def test_pool_ctrl_c_terminates_workers_and_exits_once(tmp_path: pathlib.Path) -> None:
+    proc, pids, err = _run(tmp_path, "ctrl-c")
+    try:
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(30)
+        elapsed = time.monotonic() - start
+        text = err.read_text()
+        assert proc.returncode != 0
+        assert text.count("Traceback (most recent call last)") == 1, text
+        assert "KeyboardInterrupt" in text
+        assert elapsed < 15, f"Ctrl-C took {elapsed:.1f} s"
+        _assert_gone(pids, 5)
+    finally:
+        _cleanup(proc, pids)
+
+
+def test_pool_parent_sigkill_leaves_no_orphans(tmp_path: pathlib.Path) -> None:
+    proc, pids, _ = _run(tmp_path, "parent-kill")
+    try:
+        proc.wait(30)
+        assert proc.returncode == -signal.SIGKILL
+        _assert_gone(pids, 5)
+    finally:
+        _cleanup(proc, pids)
+
+
+@pytest.mark.parametrize("mode", ["exit"])
+def test_pool_interpreter_exit_stops_live_pools(tmp_path: pathlib.Path, mode: str) -> None:
+    proc, pids, err = _run(tmp_path, mode)
+    try:
+        proc.wait(30)
+        assert proc.returncode == 0, err.read_text()
+        _assert_gone(pids, 5)
+    finally:
+        _cleanup(proc, pids)

@@ -1,0 +1,213 @@
+"""The gradient server's client accessor: push gradients to a secondary reducer, pull the newest model.
+
+A push is one RPC carrying every ``requires_grad`` parameter's gradient packed into one buffer per dtype, with
+``(client, seq, pp_version)``; the secondary queues it and replies at once. The secondary is chosen by
+rotation
+starting at ``crc32(seed) % n`` (the seed defaults to this process's name), so runs are reproducible; a
+secondary
+that is unreachable is skipped once in favour of the next.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import zlib
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from pc_server._group import GroupLike, call_service, check_group, check_name
+from pc_server._packing import Packed, pack
+from pc_server._state import check_model, get_pp_version
+from pc_server.model_server import pull_model
+from pc_server.ordered_server import OrderedServerBase
+
+__all__ = ["REDUCE_MASTER", "REDUCE_SLAVE", "GradMessage", "PushPullGradServer", "reducer_service_name"]
+
+logger = logging.getLogger(__name__)
+
+REDUCE_MASTER = 0
+"""Service level of a forward from a secondary reducer to the primary (machin's name, kept)."""
+REDUCE_SLAVE = 1
+"""Service level of a client push to a secondary reducer (machin's name, kept)."""
+
+
+class GradMessage(NamedTuple):
+    """One client push as sent to a secondary reducer.
+
+    Attributes:
+        grads: The packed gradients, keyed by ``named_parameters`` names.
+        client: A per-accessor identity (``"<process>/<random hex>"``).
+        seq: The push's sequence number for this client (1, 2, ...); duplicates are ignored.
+        version: The ``pp_version`` of the model the gradients were computed on.
+    """
+
+    grads: Packed
+    client: str
+    seq: int
+    version: int
+
+
+def reducer_service_name(server_name: str, member: str) -> str:
+    """The push service key of ``member``'s reducer: ``<server_name>/<member>/_push_service``."""
+    return f"{server_name}/{member}/_push_service"
+
+
+def collect_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients of every ``requires_grad`` parameter, keyed by ``named_parameters`` name.
+
+    Raises:
+        RuntimeError: A parameter that requires grad has none, named in the message.
+    """
+    grads: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.grad is None:
+            raise RuntimeError(f"parameter {name!r} has no gradient to push; run backward() first")
+        grads[name] = param.grad
+    if not grads:
+        raise RuntimeError("the model has no parameters that require grad: nothing to push")
+    return grads
+
+
+class PushPullGradServer:
+    """Accessor to a :class:`~pc_server.PushPullGradServerImpl` tree: push gradients, pull the newest model.
+
+    Get it with ``group.get_paired(server_name).to_here()``; it is picklable, and each unpickled copy is a
+    separate client (its own identity and sequence numbers).
+
+    Args:
+        server_name: The gradient server's name.
+        group: The RpcGroup of the reducers.
+        model_name: The model's key in the ordered server.
+        secondary_reducers: Names of the secondary reducers, in rotation order.
+        o_server: The ordered server accessor holding the published model.
+    """
+
+    def __init__(
+        self,
+        server_name: str,
+        group: GroupLike,
+        model_name: str,
+        secondary_reducers: list[str],
+        o_server: OrderedServerBase,
+    ) -> None:
+        self.server_name = check_name("server_name", server_name)
+        self.group = check_group(group)
+        self.model_name = check_name("model_name", model_name)
+        if not isinstance(secondary_reducers, (list, tuple)) or not secondary_reducers:
+            raise ValueError(
+                f"secondary_reducers must be a non-empty list of names, got {secondary_reducers!r}"
+            )
+        self.secondary_reducers = [check_name("secondary reducer", m) for m in secondary_reducers]
+        if not isinstance(o_server, OrderedServerBase):
+            raise TypeError(f"o_server must be an OrderedServerBase accessor, got {type(o_server).__name__}")
+        self.o_server = o_server
+        self._services = [reducer_service_name(server_name, m) for m in self.secondary_reducers]
+        self._client: str | None = None
+        self._seq = 0
+        self._next: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_client=None, _seq=0, _next=None)  # every copy is a new client
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"PushPullGradServer(server_name={self.server_name!r}, "
+            f"secondary_reducers={self.secondary_reducers!r})"
+        )
+
+    def set_seed(self, seed: int | str) -> None:
+        """Restart the secondary rotation at ``crc32(str(seed)) % len(secondary_reducers)``.
+
+        Args:
+            seed: Any int or str; the default seed is this process's name.
+
+        Raises:
+            TypeError: ``seed`` is neither an int nor a str.
+        """
+        if isinstance(seed, bool) or not isinstance(seed, (int, str)):
+            raise TypeError(f"seed must be an int or a str, got {type(seed).__name__}")
+        self._next = zlib.crc32(str(seed).encode()) % len(self._services)
+
+    def next_secondary(self) -> str:
+        """The secondary reducer the next push goes to (without advancing the rotation)."""
+        return self.secondary_reducers[self._peek()]
+
+    def _peek(self) -> int:
+        if self._next is None:
+            self._next = zlib.crc32(self.group.get_cur_name().encode()) % len(self._services)
+        return self._next
+
+    def push(self, model: nn.Module) -> bool:
+        """Push ``model``'s gradients to a secondary reducer, then :meth:`pull` the newest model.
+
+        The push returns once the gradients are queued; they are applied asynchronously, in a later batch (so
+        the pulled model may not include them yet). The gradients must exist for every parameter that requires
+        grad. After the call the model's gradients are cleared (``None``).
+
+        Args:
+            model: The model whose gradients to push; its ``pp_version`` (0 when absent) is the version the
+                gradients were computed on.
+
+        Returns:
+            ``True`` if a reducer accepted the gradients; ``False`` if it refused them as too stale
+            (``max_staleness``) or as a duplicate.
+
+        Raises:
+            TypeError: ``model`` is not a module or ``pp_version`` is not an int.
+            RuntimeError: A parameter has no gradient, or the reducer stopped (:class:`ReducerStoppedError`).
+            ValueError: The gradients do not match the ones the reducer has seen (names or shapes).
+            ConnectionError: No secondary (after one retry) or the model's server is reachable.
+            TimeoutError: A server did not answer within the RPC timeout.
+        """
+        check_model(model)
+        message_grads = pack(collect_grads(model))
+        version = get_pp_version(model)
+        if self._client is None:
+            self._client = f"{self.group.get_cur_name()}/{uuid.uuid4().hex[:12]}"
+        self._seq += 1
+        message = GradMessage(message_grads, self._client, self._seq, version)
+        first = self._peek()
+        self._next = (first + 1) % len(self._services)
+        attempts = [first] if len(self._services) == 1 else [first, (first + 1) % len(self._services)]
+        reply: Any = None
+        for i, index in enumerate(attempts):
+            try:
+                reply = call_service(
+                    self.group, self._services[index], (message, REDUCE_SLAVE), self.server_name
+                )
+                break
+            except ConnectionError:
+                if i + 1 == len(attempts):
+                    raise
+                logger.warning(
+                    "gradient server %r: secondary %r unreachable, retrying on %r",
+                    self.server_name,
+                    self.secondary_reducers[index],
+                    self.secondary_reducers[attempts[i + 1]],
+                )
+        self.pull(model)
+        return bool(reply[0])
+
+    def pull(self, model: nn.Module) -> bool:
+        """Clear the model's gradients (set to ``None``) and load the newest model if it is newer.
+
+        Args:
+            model: The model.
+
+        Returns:
+            ``False`` if no model has been published yet, else ``True``.
+
+        Raises:
+            TypeError: ``model`` is not a module.
+            ConnectionError: The model's server is unreachable.
+            TimeoutError: It did not answer within the RPC timeout.
+        """
+        check_model(model).zero_grad(set_to_none=True)
+        return pull_model(self.o_server, self.model_name, model)

@@ -1,0 +1,161 @@
+"""Pure pieces of the gradient server: packing, reduction arithmetic and the batching queue."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from pc_server._batch_queue import BatchQueue
+from pc_server._packing import Packed, pack, unpack
+from pc_server._reduce import Partial, drop_stale, finalize, merge_partials, reduce_pushes
+from pc_server.errors import ReducerStoppedError
+
+G = {"fc1.weight": torch.tensor([[6.0]]), "fc2.weight": torch.tensor([[3.0]]), "fc3.weight": torch.tensor([[2.0]])}
+
+
+def test_pack_roundtrip_mixed_dtypes_and_extras() -> None:
+    src = {
+        "a": torch.arange(6.0).reshape(2, 3).t(),  # non-contiguous
+        "b": torch.tensor([1, 2], dtype=torch.int64),
+        "c": torch.tensor(3.5, dtype=torch.float64),
+        "d": torch.zeros(0),
+        "extra": {"k": 1},
+    }
+    packed = pack(src)
+    assert set(packed.buffers) == {torch.float32, torch.int64, torch.float64}
+    assert packed.numel() == 6 + 2 + 1
+    out = unpack(packed)
+    assert list(out) == ["a", "b", "c", "d", "extra"]
+    for k in "abcd":
+        assert out[k].dtype == src[k].dtype and torch.equal(out[k], src[k])
+    assert out["extra"] == {"k": 1}
+    src["a"].add_(1)
+    assert torch.equal(out["a"], torch.arange(6.0).reshape(2, 3).t())  # a copy
+
+
+def test_pack_errors() -> None:
+    with pytest.raises(TypeError, match="mapping"):
+        pack([torch.ones(1)])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="names must be str"):
+        pack({1: torch.ones(1)})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="Packed value"):
+        unpack({"a": 1})  # type: ignore[arg-type]
+    assert isinstance(pack({}), Packed)
+
+
+def _sgd(weights: tuple[float, ...], grads: dict[str, torch.Tensor]) -> tuple[float, ...]:
+    return tuple(w - grads[f"fc{i + 1}.weight"].item() for i, w in enumerate(weights))
+
+
+@pytest.mark.parametrize(("method", "expected"), [("sum", (-23.0, -10.0, -5.0)), ("mean", (-5.0, -1.0, 1.0))])
+def test_machin_example_two_level_batches(method: str, expected: tuple[float, ...]) -> None:
+    # B = 2, one secondary: two secondary batches of two pushes each, one primary batch of two forwards.
+    secondary_batches = [reduce_pushes([(0, G), (0, G)]) for _ in range(2)]
+    merged = merge_partials(secondary_batches)
+    grads, count = finalize(merged, method)
+    assert count == 4
+    assert _sgd((1.0, 2.0, 3.0), grads) == expected
+
+
+def test_partial_batch_mean_is_count_weighted() -> None:
+    one = {"w": torch.tensor([1.0])}
+    two = {"w": torch.tensor([4.0])}
+    full = reduce_pushes([(0, one), (0, two)])  # a batch of 2
+    partial = reduce_pushes([(0, {"w": torch.tensor([10.0])})])  # flushed alone
+    grads, count = finalize(merge_partials([full, partial]), "mean")
+    assert count == 3
+    assert grads["w"].item() == pytest.approx(5.0)  # (1 + 4 + 10) / 3, not mean of means (2.5+10)/2
+
+
+def test_groups_by_version_and_drops_stale_exactly() -> None:
+    pushes = [(0, {"w": torch.ones(1)}), (3, {"w": torch.ones(1) * 2}), (5, {"w": torch.ones(1) * 4})] * 2
+    groups = reduce_pushes(pushes)
+    assert {v: g.pushes for v, g in groups.items()} == {0: 2, 3: 2, 5: 2}
+    kept, dropped = drop_stale(groups, head=5, max_staleness=2)
+    assert set(kept) == {3, 5} and dropped == 2
+    kept, dropped = drop_stale(groups, head=5, max_staleness=None)
+    assert set(kept) == {0, 3, 5} and dropped == 0
+    grads, count = finalize(drop_stale(groups, 5, 2)[0], "sum")
+    assert count == 4 and grads["w"].item() == 12.0
+
+
+def test_reduce_rejects_mismatched_names_and_methods() -> None:
+    with pytest.raises(ValueError, match="missing \\['b'\\], extra \\['c'\\]"):
+        reduce_pushes([(0, {"a": torch.ones(1), "b": torch.ones(1)}), (0, {"a": torch.ones(1), "c": torch.ones(1)})])
+    with pytest.raises(ValueError, match="reduce_method must be 'sum' or 'mean', got 'max'"):
+        finalize({0: Partial({"a": torch.ones(1)}, 1)}, "max")
+    with pytest.raises(ValueError, match="at least one group"):
+        finalize({}, "sum")
+
+
+def test_reduce_does_not_modify_inputs() -> None:
+    g = {"w": torch.ones(2)}
+    groups = reduce_pushes([(0, g), (0, g)])
+    finalize(groups, "mean")
+    assert torch.equal(g["w"], torch.ones(2))
+
+
+def test_queue_full_batch_wakes_consumer_promptly() -> None:
+    q: BatchQueue[int] = BatchQueue(8)
+    got: list[list[int] | None] = []
+    done = threading.Event()
+
+    def consumer() -> None:
+        got.append(q.get_batch(3, flush_timeout=None))
+        done.set()
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    for i in range(3):
+        q.put(i)
+    assert done.wait(10), "consumer did not wake on a full batch"
+    t.join(10)
+    assert got == [[0, 1, 2]]
+
+
+def test_queue_partial_flush_after_timeout_and_age() -> None:
+    q: BatchQueue[str] = BatchQueue(8)
+    q.put("old", age=10.0)  # already waited longer than the flush timeout elsewhere: due at once
+    start = time.monotonic()
+    assert q.get_batch(4, flush_timeout=5.0) == ["old"]
+    assert time.monotonic() - start < 4.0  # rather than waiting for the 5 s timeout
+    q.put("new")
+    start = time.monotonic()
+    assert q.get_batch(4, flush_timeout=0.2) == ["new"]
+    assert time.monotonic() - start >= 0.15
+
+
+def test_queue_overflow_drops_oldest_and_counts(caplog: pytest.LogCaptureFixture) -> None:
+    q: BatchQueue[int] = BatchQueue(3, "q")
+    for i in range(5):
+        q.put(i)
+    assert q.dropped == 2
+    assert "overflowed max_queue_size=3" in caplog.text
+    assert caplog.text.count("overflowed") == 1
+    assert q.get_batch(3, None) == [2, 3, 4]
+
+
+def test_queue_close_drains_then_refuses() -> None:
+    q: BatchQueue[int] = BatchQueue(10)
+    for i in range(5):
+        q.put(i)
+    q.close()
+    assert q.get_batch(2, None) == [0, 1]
+    assert q.get_batch(2, None) == [2, 3]
+    assert q.get_batch(2, None) == [4]
+    assert q.get_batch(2, None) is None
+    with pytest.raises(ReducerStoppedError):
+        q.put(9)
+
+
+def test_queue_close_wakes_idle_consumer() -> None:
+    q: BatchQueue[int] = BatchQueue(10)
+    result: list[object] = ["unset"]
+    t = threading.Thread(target=lambda: result.__setitem__(0, q.get_batch(2, None)))
+    t.start()
+    q.close()
+    t.join(10)
+    assert not t.is_alive() and result == [None]

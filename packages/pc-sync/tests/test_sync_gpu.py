@@ -1,0 +1,132 @@
+"""CUDA paths: real DataParallel on 2 GPUs, autocast, channels_last, abort, nn.SyncBatchNorm under DDP.
+
+Every test here carries the ``gpu`` marker (skipped without CUDA) and skips itself with fewer than 2 devices.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from sync_testutils import assert_close, bn_pair, ddp_sync_bn_worker
+from torch import nn
+
+from pc_replicate import patch_replication_callback
+from pc_sync import SynchronizedBatchNorm2d
+
+pytestmark = pytest.mark.gpu
+
+
+def _need_two_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+
+
+def _patched_dp(module: nn.Module, ids: list[int]) -> nn.DataParallel[nn.Module]:
+    return patch_replication_callback(nn.DataParallel(module.cuda(ids[0]), device_ids=ids))
+
+
+@pytest.mark.parametrize("ids", [[0, 1], [1, 0]])
+def test_real_data_parallel_matches_full_batch(ids: list[int]) -> None:
+    _need_two_gpus()
+    ref, ours = bn_pair(nn.BatchNorm2d, 4, torch.float64)
+    dev = torch.device("cuda", ids[0])
+    ref = ref.to(dev)
+    dp = _patched_dp(ours, ids)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(8, 4, 3, 3, generator=gen, dtype=torch.float64).to(dev)
+        g = torch.randn(8, 4, 3, 3, generator=gen, dtype=torch.float64).to(dev)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = ref(xa), dp(xb)
+        assert_close(yb, ya, rtol=1e-10, atol=1e-10)
+        (ya * g).sum().backward()
+        (yb * g).sum().backward()
+        assert_close(xb.grad, xa.grad, rtol=1e-10, atol=1e-10)
+    assert_close(ours.weight.grad, ref.weight.grad, rtol=1e-10, atol=1e-10)
+    assert_close(ours.running_var, ref.running_var, rtol=1e-10, atol=1e-10)
+    assert int(ours.num_batches_tracked) == 3
+
+
+def test_fp16_autocast_keeps_fp32_buffers() -> None:
+    _need_two_gpus()
+    ref, ours = bn_pair(nn.BatchNorm2d, 4, torch.float32)
+    ref = ref.cuda(0)
+    dp = _patched_dp(ours, [0, 1])
+    x = torch.randn(8, 4, 5, 5, device="cuda:0")
+    with torch.autocast("cuda", dtype=torch.float16):
+        y = dp(x.half())
+    assert y.dtype == torch.float16
+    assert ours.running_mean.dtype == torch.float32
+    assert_close(y.float(), ref(x.half().float()), rtol=1e-2, atol=1e-2)
+    assert_close(ours.running_mean, ref.running_mean, rtol=1e-3, atol=1e-3)
+
+
+def test_channels_last_on_gpus() -> None:
+    _need_two_gpus()
+    ref, ours = bn_pair(nn.BatchNorm2d, 4, torch.float64)
+    ref = ref.cuda(0)
+    dp = _patched_dp(ours, [0, 1])
+    x = torch.randn(8, 4, 5, 3, dtype=torch.float64, device="cuda:0").to(memory_format=torch.channels_last)
+    assert_close(dp(x), ref(x), rtol=1e-10, atol=1e-10)
+
+
+def test_replica_error_on_gpu_does_not_hang() -> None:
+    _need_two_gpus()
+
+    class FailOnSecond(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = SynchronizedBatchNorm2d(3, sync_timeout=60.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.device.index == 1:
+                raise KeyError("replica on cuda:1 failed")
+            return self.bn(x)
+
+    dp = _patched_dp(FailOnSecond(), [0, 1])
+    start = time.monotonic()
+    with pytest.raises(KeyError, match=r"cuda:1 failed"):
+        dp(torch.randn(8, 3, 2, 2, device="cuda:0"))
+    assert time.monotonic() - start < 30.0
+
+
+def test_matches_torch_sync_batch_norm_under_ddp() -> None:
+    _need_two_gpus()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, 3, 3, generator=gen)
+    g = torch.randn(8, 4, 3, 3, generator=gen)
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=ddp_sync_bn_worker, args=(rank, 2, tmp, x, g), daemon=True)
+            for rank in range(2)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+            p.join(10)
+        assert not alive, "DDP workers did not finish within 120 s"
+        assert [p.exitcode for p in procs] == [0, 0]
+        results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+    ref_y = torch.cat([r["y"] for r in results])
+    ref_xgrad = torch.cat([r["xgrad"] for r in results])
+
+    ours = SynchronizedBatchNorm2d(4)
+    dp = _patched_dp(ours, [0, 1])
+    xb = x.cuda(0).requires_grad_()
+    yb = dp(xb)
+    (yb * g.cuda(0)).sum().backward()
+    assert_close(yb.cpu(), ref_y, rtol=1e-5, atol=1e-5)
+    assert_close(xb.grad.cpu(), ref_xgrad, rtol=1e-5, atol=1e-5)
+    wgrad = results[0]["wgrad"] + results[1]["wgrad"]
+    assert_close(ours.weight.grad.cpu(), wgrad, rtol=1e-5, atol=1e-5)
+    assert_close(ours.running_var.cpu(), results[0]["running_var"], rtol=1e-5, atol=1e-5)
