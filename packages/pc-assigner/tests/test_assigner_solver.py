@@ -82,13 +82,13 @@ def test_heuristic_feasible_whenever_a_placement_exists_and_close_to_optimal() -
 
 def test_deterministic_for_a_seed_and_unit_invariant() -> None:
     rng = random.Random(5)
-    big = random_problem(rng, 20, 4, 0.9)
+    big = random_problem(rng, 20, 4, 1.2)
     first = solve_placement(big, seed=7)
     assert first.method == "heuristic"
     assert solve_placement(big, seed=7) == first
     assert solve_placement(big.scaled_memory(1000), seed=7).assignment == first.assignment
     assert solve_placement(big.scaled_memory(1 / 1024), seed=7).assignment == first.assignment
-    small = random_problem(rng, 6, 3, 0.9)
+    small = random_problem(rng, 6, 3, 1.2)
     assert solve_placement(small.scaled_memory(1000)).assignment == solve_placement(small).assignment
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import psutil
 import pytest
 
 import pc_distributed as pd
@@ -32,6 +33,9 @@ def _lifecycle(rank: int) -> dict[str, Any]:
     solo = pd.World(name="solo", dist_timeout=15, rpc_timeout=15)  # one process, free loopback port
     out["solo"] = (solo.rank, solo.world_size, solo.get_members(), pd.get_cur_name())
     out["second"] = _catch(pd.World, name="again")
+    out["listening_on"] = sorted(
+        {c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN}
+    )
     group = solo.create_rpc_group("g", ["solo"])
     group.register("double", _double)
     out["self_call"] = group.registered_sync("double", args=(21,))
@@ -81,6 +85,11 @@ def test_default_world_is_one_process_on_loopback(observed: dict[str, Any]) -> N
     assert observed["solo"] == (0, 1, ["solo"], "solo")
     assert observed["self_call"] == 42
     assert observed["cg_size"] == 1
+
+
+def test_world_listens_on_loopback_only(observed: dict[str, Any]) -> None:
+    assert observed["listening_on"], "the World should have listening sockets (store, gloo, TensorPipe)"
+    assert all(ip.startswith("127.") for ip in observed["listening_on"]), observed["listening_on"]
 
 
 def test_second_world_raises(observed: dict[str, Any]) -> None:

@@ -88,7 +88,9 @@ class FakeGroup:
             raise KeyError(f"Value with key {key} not found on Group")
         return _Ref(self.hub, self.hub.paired[key][1], self.name)
 
-    def registered_sync(self, key: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def registered_sync(
+        self, key: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         if key not in self.hub.services:
             raise KeyError(f"Service with key {key} not found on Group")
         owner, fn = self.hub.services[key]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,8 @@ def test_client_death_hung_handler_and_server_death(tmp_path: Path) -> None:
         )
     report = json.loads((tmp_path / "rank1.json").read_text())
     # a dead client does not disturb the others
-    assert report["push_after_client_death"] is False and report["adopted"] == 1
+    assert report["push_after_client_death"] is False
+    assert report["adopted"] == 1
     assert report["push_again"] is True
     # a hung handler: TimeoutError naming the server, after about rpc_timeout
     kind, elapsed, message = report["hung"]
@@ -39,4 +39,3 @@ def test_client_death_hung_handler_and_server_death(tmp_path: Path) -> None:
     assert kind in ("ConnectionError", "TimeoutError"), report["server_dead"]
     assert "'ms_o_server'" in message
     assert elapsed < RPC_TIMEOUT + 1.0
-    assert not any(p.startswith("torch_") for p in os.listdir("/dev/shm")) or True

@@ -58,13 +58,17 @@ def test_machin_example(hub3: Hub, impls: list[PushPullGradServerImpl], method: 
     primary.watch()
     final = ThreeLayer()
     assert clients[0].pull(final)
-    assert final.weights() == expected and final.pp_version == 1
-    assert managed.weights() == expected and [id(p) for p in managed.parameters()] == params
+    assert final.weights() == expected
+    assert final.pp_version == 1
+    assert managed.weights() == expected
+    assert [id(p) for p in managed.parameters()] == params
     stats = primary.stats()
     assert (stats.received, stats.forwarded, stats.steps, stats.applied) == (4, 2, 1, 4)
 
 
-def test_every_secondary_reduces_and_rotation_is_seedable(hub3: Hub, impls: list[PushPullGradServerImpl]) -> None:
+def test_every_secondary_reduces_and_rotation_is_seedable(
+    hub3: Hub, impls: list[PushPullGradServerImpl]
+) -> None:
     _tree(hub3, impls, ["0", "1", "2"], reduce_method="sum", reduce_batch_size=1, flush_timeout=None)
     client = hub3.group("1").get_paired("server").to_here()
     assert isinstance(client, PushPullGradServer)
@@ -77,7 +81,8 @@ def test_every_secondary_reduces_and_rotation_is_seedable(hub3: Hub, impls: list
         backward_once(model)
         model.pp_version = 0
         client.push(model)
-    assert seen[0] == first and sorted(seen) == ["0", "1", "2"]
+    assert seen[0] == first
+    assert sorted(seen) == ["0", "1", "2"]
     assert impls[0].wait_for_version(3, WAIT)
     assert [impl.stats().received for impl in impls] == [1, 1, 1]
     other = hub3.group("2").get_paired("server").to_here()
@@ -164,7 +169,9 @@ def test_lr_scheduler_steps(hub3: Hub, impls: list[PushPullGradServerImpl]) -> N
     assert sched.last_epoch == 2
 
 
-def test_reducer_error_surfaces_in_watch_and_stops_pushes(hub3: Hub, impls: list[PushPullGradServerImpl]) -> None:
+def test_reducer_error_surfaces_in_watch_and_stops_pushes(
+    hub3: Hub, impls: list[PushPullGradServerImpl]
+) -> None:
     class Exploding:
         def step(self) -> None:
             raise FloatingPointError("boom in step")
@@ -193,7 +200,9 @@ def test_reducer_error_surfaces_in_watch_and_stops_pushes(hub3: Hub, impls: list
 def test_duplicates_ignored_and_schema_checked(hub3: Hub, impls: list[PushPullGradServerImpl]) -> None:
     _tree(hub3, impls, ["0"], reduce_batch_size=8, flush_timeout=None)
     service = impls[0]._push_service
-    grads = pack({"fc1.weight": torch.ones(1, 1), "fc2.weight": torch.ones(1, 1), "fc3.weight": torch.ones(1, 1)})
+    grads = pack(
+        {"fc1.weight": torch.ones(1, 1), "fc2.weight": torch.ones(1, 1), "fc3.weight": torch.ones(1, 1)}
+    )
     msg = GradMessage(grads, "c", 1, 0)
     assert service(msg, REDUCE_SLAVE) == (True, 0)
     assert service(msg, REDUCE_SLAVE) == (False, 0)
@@ -226,9 +235,9 @@ def test_client_errors(hub3: Hub, impls: list[PushPullGradServerImpl]) -> None:
     _tree(hub3, impls, ["0"])
     client = hub3.group("1").get_paired("server").to_here()
     model = ThreeLayer()
-    with pytest.raises(RuntimeError, match="parameter 'fc1.weight' has no gradient"):
+    with pytest.raises(RuntimeError, match=r"parameter 'fc1\.weight' has no gradient"):
         client.push(model)
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         client.push(object())
     with pytest.raises(TypeError, match="seed must be an int or a str"):
         client.set_seed(1.5)

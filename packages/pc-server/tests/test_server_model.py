@@ -31,7 +31,8 @@ def test_ten_pushes_reach_11_12_13_and_one_call_each(hub3: Hub) -> None:
     before = len(hub3.calls)
     assert server.pull(fresh) is True
     assert len(hub3.calls) == before + 1
-    assert fresh.weights() == (11.0, 12.0, 13.0) and fresh.pp_version == 10
+    assert fresh.weights() == (11.0, 12.0, 13.0)
+    assert fresh.pp_version == 10
 
 
 def test_stale_push_fails_and_adopts_newest_in_one_call(hub3: Hub) -> None:
@@ -48,13 +49,16 @@ def test_stale_push_fails_and_adopts_newest_in_one_call(hub3: Hub) -> None:
     before = len(hub3.calls)
     assert b.push(mb) is False
     assert len(hub3.calls) == before + 1  # push and pull-on-fail share one round trip
-    assert mb.weights() == (2.0, 3.0, 4.0) and mb.pp_version == 1
+    assert mb.weights() == (2.0, 3.0, 4.0)
+    assert mb.pp_version == 1
     assert [id(p) for p in mb.parameters()] == params_before
-    assert mb.fc1.weight.grad is not None and mb.fc1.weight.grad.item() == 9.0  # gradients untouched
+    assert mb.fc1.weight.grad is not None
+    assert mb.fc1.weight.grad.item() == 9.0
     mc = ThreeLayer()
     mc.pp_version = 0
     assert b.push(mc, pull_on_fail=False) is False
-    assert mc.weights() == (1.0, 2.0, 3.0) and mc.pp_version == 0
+    assert mc.weights() == (1.0, 2.0, 3.0)
+    assert mc.pp_version == 0
 
 
 def test_up_to_date_pull_sends_no_state(hub3: Hub) -> None:
@@ -64,14 +68,18 @@ def test_up_to_date_pull_sends_no_state(hub3: Hub) -> None:
     assert client.pull(model) is False  # nothing published yet
     assert client.push(model)
     reply = impl.o_server.pull_if_newer("model", model.pp_version)  # type: ignore[attr-defined]
-    assert reply is not None and reply.fresh is False and reply.value is None
+    assert reply is not None
+    assert reply.fresh is False
+    assert reply.value is None
     _bump(model)
     assert client.pull(model) is True
     assert model.weights() == (2.0, 3.0, 4.0)  # not newer: nothing loaded
     model2 = ThreeLayer()
     model2.pp_version = 0
     _bump(model2)
-    assert client.pull(model2) and model2.weights() == (1.0, 2.0, 3.0) and model2.pp_version == 1
+    assert client.pull(model2)
+    assert model2.weights() == (1.0, 2.0, 3.0)
+    assert model2.pp_version == 1
 
 
 class DictServer(OrderedServerBase):
@@ -101,16 +109,18 @@ def test_custom_o_server_generic_path(hub3: Hub) -> None:
     m1, m2 = ThreeLayer(), ThreeLayer()
     _bump(m1)
     assert accessor.push(m1)
-    assert accessor.push(m2) is False and m2.weights() == (2.0, 3.0, 4.0)
+    assert accessor.push(m2) is False
+    assert m2.weights() == (2.0, 3.0, 4.0)
     assert o.calls == 3  # push, push, pull
     m3 = ThreeLayer()
-    assert accessor.pull(m3) and m3.weights() == (2.0, 3.0, 4.0)
+    assert accessor.pull(m3)
+    assert m3.weights() == (2.0, 3.0, 4.0)
 
 
 def test_model_server_bad_input(hub3: Hub) -> None:
     PushPullModelServerImpl("server", hub3.group("0"))
     client = hub3.group("1").get_paired("server").to_here()
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got str"):
         client.push("model")
     model = ThreeLayer()
     model.pp_version = "3"

@@ -13,7 +13,11 @@ from pc_server._packing import Packed, pack, unpack
 from pc_server._reduce import Partial, drop_stale, finalize, merge_partials, reduce_pushes
 from pc_server.errors import ReducerStoppedError
 
-G = {"fc1.weight": torch.tensor([[6.0]]), "fc2.weight": torch.tensor([[3.0]]), "fc3.weight": torch.tensor([[2.0]])}
+G = {
+    "fc1.weight": torch.tensor([[6.0]]),
+    "fc2.weight": torch.tensor([[3.0]]),
+    "fc3.weight": torch.tensor([[2.0]]),
+}
 
 
 def test_pack_roundtrip_mixed_dtypes_and_extras() -> None:
@@ -30,7 +34,8 @@ def test_pack_roundtrip_mixed_dtypes_and_extras() -> None:
     out = unpack(packed)
     assert list(out) == ["a", "b", "c", "d", "extra"]
     for k in "abcd":
-        assert out[k].dtype == src[k].dtype and torch.equal(out[k], src[k])
+        assert out[k].dtype == src[k].dtype
+        assert torch.equal(out[k], src[k])
     assert out["extra"] == {"k": 1}
     src["a"].add_(1)
     assert torch.equal(out["a"], torch.arange(6.0).reshape(2, 3).t())  # a copy
@@ -75,16 +80,21 @@ def test_groups_by_version_and_drops_stale_exactly() -> None:
     groups = reduce_pushes(pushes)
     assert {v: g.pushes for v, g in groups.items()} == {0: 2, 3: 2, 5: 2}
     kept, dropped = drop_stale(groups, head=5, max_staleness=2)
-    assert set(kept) == {3, 5} and dropped == 2
+    assert set(kept) == {3, 5}
+    assert dropped == 2
     kept, dropped = drop_stale(groups, head=5, max_staleness=None)
-    assert set(kept) == {0, 3, 5} and dropped == 0
+    assert set(kept) == {0, 3, 5}
+    assert dropped == 0
     grads, count = finalize(drop_stale(groups, 5, 2)[0], "sum")
-    assert count == 4 and grads["w"].item() == 12.0
+    assert count == 4
+    assert grads["w"].item() == 12.0
 
 
 def test_reduce_rejects_mismatched_names_and_methods() -> None:
     with pytest.raises(ValueError, match="missing \\['b'\\], extra \\['c'\\]"):
-        reduce_pushes([(0, {"a": torch.ones(1), "b": torch.ones(1)}), (0, {"a": torch.ones(1), "c": torch.ones(1)})])
+        reduce_pushes(
+            [(0, {"a": torch.ones(1), "b": torch.ones(1)}), (0, {"a": torch.ones(1), "c": torch.ones(1)})]
+        )
     with pytest.raises(ValueError, match="reduce_method must be 'sum' or 'mean', got 'max'"):
         finalize({0: Partial({"a": torch.ones(1)}, 1)}, "max")
     with pytest.raises(ValueError, match="at least one group"):
@@ -158,4 +168,5 @@ def test_queue_close_wakes_idle_consumer() -> None:
     t.start()
     q.close()
     t.join(10)
-    assert not t.is_alive() and result == [None]
+    assert not t.is_alive()
+    assert result == [None]

@@ -116,7 +116,9 @@ def test_n_concurrent_pushers_exactly_one_winner() -> None:
     assert len(results) == n
     assert results.count(True) == 1
     winner = store.pull("k")
-    assert winner is not None and winner[1] == 1 and winner[0].startswith("w")
+    assert winner is not None
+    assert winner[1] == 1
+    assert winner[0].startswith("w")
 
 
 def test_is_newer_rules() -> None:
@@ -124,7 +126,8 @@ def test_is_newer_rules() -> None:
     assert is_newer(3, 2)
     assert not is_newer(3, 3)
     assert not is_newer(2, 3)
-    assert is_newer("b", 1) and not is_newer("b", "b")
+    assert is_newer("b", 1)
+    assert not is_newer("b", "b")
 
 
 def test_snapshots_are_private(hub3: Hub) -> None:
@@ -135,10 +138,12 @@ def test_snapshots_are_private(hub3: Hub) -> None:
     value["meta"].append(3)
     pulled = impl.pull("a")
     assert pulled is not None
-    assert torch.equal(pulled[0]["w"], torch.zeros(3)) and pulled[0]["meta"] == [1, 2]
+    assert torch.equal(pulled[0]["w"], torch.zeros(3))
+    assert pulled[0]["meta"] == [1, 2]
     pulled[0]["w"].add_(7)
     again = impl.pull("a")
-    assert again is not None and torch.equal(again[0]["w"], torch.zeros(3))
+    assert again is not None
+    assert torch.equal(again[0]["w"], torch.zeros(3))
     # remote path: accessor from another "process"
     client = hub3.group("1").get_paired("server").to_here()
     assert isinstance(client, OrderedServerSimple)
@@ -157,7 +162,8 @@ def test_snapshot_copies_named_tuples_and_nested() -> None:
     assert isinstance(out, P)
     src.a.add_(1)
     src.b["x"][0].add_(1)
-    assert torch.equal(out.a, torch.ones(2)) and torch.equal(out.b["x"][0], torch.zeros(1))
+    assert torch.equal(out.a, torch.ones(2))
+    assert torch.equal(out.b["x"][0], torch.zeros(1))
 
 
 def test_accessor_roundtrip_and_errors(hub3: Hub) -> None:
@@ -172,7 +178,7 @@ def test_accessor_roundtrip_and_errors(hub3: Hub) -> None:
     assert hub3.calls[-1] == "kv/_pull_if_newer_service"
     with pytest.raises(TypeError, match="unexpected keyword"):
         OrderedServerSimpleImpl("kv2", hub3.group("0"), server_runner="0")  # type: ignore[call-arg]
-    with pytest.raises(TypeError, match="group must be a pc_distributed.RpcGroup"):
+    with pytest.raises(TypeError, match=r"group must be a pc_distributed\.RpcGroup"):
         OrderedServerSimpleImpl("kv3", object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="server_name must be a non-empty str"):
         OrderedServerSimpleImpl("", hub3.group("0"))

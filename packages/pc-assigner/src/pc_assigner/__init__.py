@@ -11,7 +11,7 @@ from pc_assigner.assigner import DeviceLike, ModelAssigner
 from pc_assigner.errors import InfeasiblePlacementError
 from pc_assigner.estimator import MIB, ModelSizeEstimator, SizeRequirements
 from pc_assigner.problem import PlacementCost, PlacementProblem, placement_cost
-from pc_assigner.solve import AUTO_EXACT_LIMIT, METHODS, Method, PlacementResult, solve_placement
+from pc_assigner.solve import AUTO_EXACT_LIMIT, METHODS, PlacementResult, solve_placement
 
 __all__ = [
     "AUTO_EXACT_LIMIT",
@@ -19,7 +19,6 @@ __all__ = [
     "MIB",
     "DeviceLike",
     "InfeasiblePlacementError",
-    "Method",
     "ModelAssigner",
     "ModelSizeEstimator",
     "PlacementCost",

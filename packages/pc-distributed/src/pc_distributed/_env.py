@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["WorldSpec", "check_name", "resolve_world_spec", "uses_agent_store"]
+__all__ = ["WorldSpec", "check_name", "is_loopback", "resolve_world_spec", "uses_agent_store"]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]{1,127}$")
 
@@ -26,6 +26,8 @@ class WorldSpec:
         rpc_url: Init method for RPC (the same store by default; TCPStore is multi-tenant).
         agent_store: True when an outside agent (torchrun, ``run_world``) serves the store, so every rank is a
             client.
+        host: The rendezvous host when we built ``dist_url`` (None for a user-given init method).
+        port: The rendezvous port when we built ``dist_url`` (0: a free port).
     """
 
     rank: int
@@ -33,6 +35,17 @@ class WorldSpec:
     dist_url: str
     rpc_url: str
     agent_store: bool
+    host: str | None = None
+    port: int | None = None
+
+    def serves_loopback(self) -> bool:
+        """True when this rank must serve the store itself on a loopback address (rank 0, no agent)."""
+        return self.rank == 0 and not self.agent_store and self.host is not None and is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names the loopback interface (``127.x.y.z``, ``::1`` or ``localhost``)."""
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def check_name(name: object) -> str:
@@ -101,12 +114,14 @@ def resolve_world_spec(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    host: str | None = None
+    port: int | None = None
     if dist_init_method is not None:
         if not isinstance(dist_init_method, str):
             raise TypeError(f"dist_init_method must be a str or None, got {type(dist_init_method).__name__}")
         dist_url = dist_init_method
     else:
-        addr = env.get("MASTER_ADDR") or "127.0.0.1"
+        host = env.get("MASTER_ADDR") or "127.0.0.1"
         port = _env_int(env, "MASTER_PORT")
         if port is None:
             if world_size > 1:
@@ -118,7 +133,7 @@ def resolve_world_spec(
             port = 0  # a one-process world binds a free port
         if not 0 <= port < 2**16:
             raise ValueError(f"MASTER_PORT must be in [0, 65535], got {port}")
-        dist_url = f"tcp://{addr}:{port}"
+        dist_url = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
     if rpc_init_method is not None and not isinstance(rpc_init_method, str):
         raise TypeError(f"rpc_init_method must be a str or None, got {type(rpc_init_method).__name__}")
     return WorldSpec(
@@ -127,4 +142,6 @@ def resolve_world_spec(
         dist_url=dist_url,
         rpc_url=rpc_init_method if rpc_init_method is not None else dist_url,
         agent_store=uses_agent_store(env),
+        host=host,
+        port=port,
     )

@@ -7,6 +7,8 @@ Public torch APIs only.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -43,11 +45,37 @@ def open_store(url: str, rank: int, world_size: int, timeout: float) -> Any:
     return store
 
 
-def master_store(host: str, world_size: int, timeout: float) -> Any:
-    """Serve a new TCPStore on a free port of ``host`` (the kernel picks; read it with ``store_port``)."""
-    return _TCPStore(
-        host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
-    )
+def master_store(host: str, port: int, world_size: int, timeout: float) -> Any:
+    """Serve a new TCPStore on ``host:port`` only (port 0: a free port; read it with ``store_port``).
+
+    We bind the listening socket ourselves and hand it to the store (``master_listen_fd``), because TCPStore
+    binds every interface when it creates the socket. The store is multi-tenant, so RPC's rendezvous on the
+    same address reuses it.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+        bound_port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns the descriptor from here on (it closes it)
+    try:
+        return _TCPStore(
+            host,
+            bound_port,
+            world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def prefix_store(prefix: str, store: Any) -> Any:

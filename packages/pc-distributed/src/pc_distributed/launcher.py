@@ -181,7 +181,7 @@ def run_world(
         "rpc_timeout": _check_number("rpc_timeout", rpc_timeout),
     }
     ctx: Any = mp.get_context(start_method)
-    store = _torch_dist.master_store("127.0.0.1", world_size, timeout)
+    store = _torch_dist.master_store("127.0.0.1", 0, world_size, timeout)
     env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_torch_dist.store_port(store)),

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pc_distributed import _torch_dist
-from pc_distributed._env import check_name, resolve_world_spec
+from pc_distributed._env import WorldSpec, check_name, resolve_world_spec
 from pc_distributed._store import store_barrier, wait_keys
 
 if TYPE_CHECKING:
@@ -119,10 +119,14 @@ class World:
             self._start(spec)
             _WORLD = self
 
-    def _start(self, spec: Any) -> None:
+    def _start(self, spec: WorldSpec) -> None:
         undo: list[Any] = []
         try:
-            raw = _torch_dist.open_store(spec.dist_url, self.rank, self.world_size, self.dist_timeout)
+            if spec.serves_loopback():
+                host = "127.0.0.1" if spec.host in (None, "localhost") else str(spec.host)
+                raw = _torch_dist.master_store(host, spec.port or 0, self.world_size, self.dist_timeout)
+            else:
+                raw = _torch_dist.open_store(spec.dist_url, self.rank, self.world_size, self.dist_timeout)
             self._raw_store = raw
             undo.append(self._drop_store)
             # Keys are scoped per torchrun restart and per World of this process (every rank creates its

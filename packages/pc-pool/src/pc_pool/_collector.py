@@ -1,14 +1,15 @@
-"""The result thread of the process pool: starts every worker, reads every result pipe, reaps dead workers.
+"""The result thread of the process pool: starts every worker, reads the result pipes, reaps dead workers.
 
 It blocks in ``multiprocessing.connection.wait`` on the result pipes, the worker sentinels and a wakeup pipe
-(through ``pool_outqueue_get``). When a sentinel fires it drains that worker's pipe, fails the first unanswered
-chunk (the one that was running) with :class:`~pc_pool.WorkerDiedError`, puts the rest back and starts a
-replacement at the same index. It also starts the initial workers, so ``PR_SET_PDEATHSIG`` (which follows the
-forking *thread*) fires only when the pool itself is gone.
+(through ``pool_outqueue_get``). When a sentinel fires it drains that worker's pipe, fails the first
+unanswered chunk (the one that was running) with :class:`~pc_pool.WorkerDiedError`, puts the rest back and
+starts a replacement at the same index. It also starts the initial workers, so ``PR_SET_PDEATHSIG``
+(which follows the forking *thread*) fires only when the pool itself is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -36,10 +37,6 @@ _log = logging.getLogger("pc_pool.pool")
 
 class CollectorMixin(EngineState):
     """The result-thread side of :class:`~pc_pool.BasePool`."""
-
-    @staticmethod
-    def worker(*args: Any, **kwargs: Any) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
 
     def _result_loop(self) -> None:
         try:

@@ -108,7 +108,7 @@ class EngineState:
     _daemon: bool = True
     _p2p: bool = False
 
-    # -- hooks implemented by BasePool ------------------------------------------------------------------------
+    # -- hooks implemented by BasePool ----------------------------------------------------------------------
     def pool_inqueue_put(self, obj: Any) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -127,11 +127,18 @@ class EngineState:
     def join_workers(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    @staticmethod
+    def worker(*args: Any, **kwargs: Any) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _deliver(self, chunk: Chunk, success: bool, value: Any) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
     def _worker_context(self, index: int) -> Any:
         """The context object of worker ``index`` (``CtxPool``); the base pool has none."""
         return NO_CONTEXT
 
-    # -- shared helpers ---------------------------------------------------------------------------------------
+    # -- shared helpers -------------------------------------------------------------------------------------
     def _fail_everything(self, exc: BaseException) -> None:
         with self._cond:
             self._state = PoolStates.TERMINATE

@@ -8,21 +8,30 @@ worker, or to every worker once a closed pool has drained.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import threading
+import types
 
 from pc_pool import _serial
-from pc_pool._engine import WINDOW, EngineState, PoolStates, TICK
+from pc_pool._engine import TICK, WINDOW, EngineState, PoolStates
 from pc_pool._protocol import EXIT
 from pc_pool._records import Chunk, Job, WorkerHandle
 
 __all__ = ["FeederMixin"]
 
+_FUNC_CACHE_SIZE = 64
+
 
 class FeederMixin(EngineState):
     """The feeder side of :class:`~pc_pool.BasePool`."""
 
-    def _deliver(self, chunk: Chunk, success: bool, value: object) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    _func_cache: collections.OrderedDict[int, tuple[object, bytes]]
+    _func_cache_lock: threading.Lock
+
+    def _init_feeder(self) -> None:
+        self._func_cache = collections.OrderedDict()
+        self._func_cache_lock = threading.Lock()
 
     def _next_action(self, index: int) -> tuple[WorkerHandle, Chunk | None] | None:
         """Under ``_cond``: wait for something for worker ``index`` to do; ``None`` means the feeder exits."""
@@ -65,6 +74,9 @@ class FeederMixin(EngineState):
             return None
         if not self._copy_tensor:  # share handles are one-shot: one dump per worker and job
             return _serial.dumps(job.func, recurse=self._recurse, copy_tensor=False)
+        cached = self._cached_func_blob(job.func)
+        if cached is not None:
+            return cached
         with job.lock:
             if job.func_error is not None:
                 raise job.func_error
@@ -74,7 +86,27 @@ class FeederMixin(EngineState):
                 except Exception as exc:
                     job.func_error = exc
                     raise
+                self._remember_func_blob(job.func, job.func_blob)
             return job.func_blob
+
+    # A plain function without a closure pickles to the same bytes every time (with recurse=False its globals are
+    # looked up in the worker), so repeated applies of one function reuse its payload instead of paying the dill
+    # path per job. Closures, callables with state and is_recursive pools are dumped per job, as before.
+    def _cached_func_blob(self, func: object) -> bytes | None:
+        with self._func_cache_lock:
+            entry = self._func_cache.get(id(func))
+            if entry is not None and entry[0] is func:
+                self._func_cache.move_to_end(id(func))
+                return entry[1]
+        return None
+
+    def _remember_func_blob(self, func: object, blob: bytes) -> None:
+        if self._recurse or not isinstance(func, types.FunctionType) or func.__closure__ is not None:
+            return
+        with self._func_cache_lock:
+            self._func_cache[id(func)] = (func, blob)  # holding func keeps its id from being reused
+            while len(self._func_cache) > _FUNC_CACHE_SIZE:
+                self._func_cache.popitem(last=False)
 
     def _send_chunk(self, w: WorkerHandle, chunk: Chunk) -> None:
         job = chunk.job

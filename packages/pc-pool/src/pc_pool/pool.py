@@ -31,48 +31,27 @@ SIGKILL after ``KILL_GRACE`` seconds).
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
-import enum
-import logging
 import multiprocessing
 import multiprocessing.context
-import multiprocessing.pool
 import os
 import threading
-import time
-import weakref
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import wait
 from typing import Any
 
-from pc_pool import _serial
 from pc_pool._api import PoolFrontend
-from pc_pool._protocol import (
-    EXIT,
-    K_ENC,
-    K_ERR,
-    K_INIT_ERR,
-    K_OK,
-    K_READY,
-    K_RETIRE,
-    MaybeEncodingError,
-    recv_msg,
-    send_msg,
-)
+from pc_pool._collector import CollectorMixin
+from pc_pool._engine import KILL_GRACE, TICK, PoolStates, now, register_pool, unregister_pool
+from pc_pool._feeder import FeederMixin
+from pc_pool._protocol import recv_msg, send_msg
 from pc_pool._records import Chunk, Job, WorkerHandle
-from pc_pool.errors import PoolTerminatedError, RemoteTraceback, WorkerDiedError
-from pc_pool.worker import worker_loop, worker_main
+from pc_pool.errors import PoolTerminatedError
+from pc_pool.worker import worker_loop
 
 __all__ = ["BasePool", "PoolStates"]
 
-_log = logging.getLogger(__name__)
-WINDOW = 2  # chunks outstanding per worker: one running, one waiting in the pipe
-KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL in terminate()
-CLOSE_GRACE = 5.0  # seconds a worker gets to exit after a drained close() before it is killed
-TICK = 5.0  # upper bound of any internal wait; predicates are re-checked, nothing relies on it
-NO_CONTEXT = object()
 
 class BasePool(FeederMixin, CollectorMixin, PoolFrontend):
     """The basic process pool: stdlib ``multiprocessing.Pool`` semantics that never hang.
@@ -147,6 +126,7 @@ class BasePool(FeederMixin, CollectorMixin, PoolFrontend):
         self._start_error: BaseException | None = None
         self._terminate_lock = threading.Lock()
         self.setup_queues()
+        self._init_feeder()
         self._result_thread = threading.Thread(target=self._result_loop, name="pc_pool-results", daemon=True)
         self._feeders = [
             threading.Thread(target=self._feed, args=(i,), name=f"pc_pool-feeder-{i}", daemon=True)

@@ -11,6 +11,7 @@ chunk of that job, is loaded once and cached by job id until the parent says the
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import faulthandler
 import logging
@@ -43,6 +44,7 @@ __all__ = ["CtxPoolStorage", "ResultPutter", "TaskGetter", "proxy_ctx_caller", "
 
 _log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
+_FUNC_CACHE_SIZE = 32
 _Reply = tuple[tuple[Any, ...], "bytes | None"]
 
 
@@ -141,8 +143,24 @@ class TaskGetter:
         self._conn = conn
         self._copy = copy_tensor
         self._funcs: dict[int, Any] = {}
+        self._by_blob: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
         parent = multiprocessing.parent_process()
         self._parent_sentinel = parent.sentinel if parent is not None else None
+
+    def _load_func(self, blob: bytes) -> Any:
+        # Copied payloads are pure bytes: the same function sent for another job needs no second load. Shared
+        # payloads carry one-shot handles and are always loaded.
+        if not self._copy:
+            return _serial.loads(blob)
+        func = self._by_blob.get(blob)
+        if func is None:
+            func = _serial.loads(blob)
+            self._by_blob[blob] = func
+            while len(self._by_blob) > _FUNC_CACHE_SIZE:
+                self._by_blob.popitem(last=False)
+        else:
+            self._by_blob.move_to_end(blob)
+        return func
 
     def __call__(self) -> _Task | None:
         """Block until the next message; return the task, or ``None`` for the parent's exit request."""
@@ -167,7 +185,7 @@ class TaskGetter:
             self._funcs.pop(dropped, None)
         if func_blob is not None:
             try:
-                self._funcs[job] = _serial.loads(func_blob)
+                self._funcs[job] = self._load_func(func_blob)
             except SystemExit:
                 raise
             except BaseException as exc:

@@ -408,7 +408,7 @@ class PushPullGradServerImpl:
                     f"gradient names/shapes {list(zip(*schema, strict=True))} differ from the first "
                     f"push's {list(zip(*self._schema, strict=True))}"
                 )
-            # A client that computed on version v proves the head is >= v; a co-located primary knows it exactly.
+            # A client that computed on version v proves the head is >= v; a co-located primary knows it.
             self._known_head = max(self._known_head, message.version)
             head = self._version if self.is_primary else self._known_head
             if message.seq <= self._last_seq.get(message.client, 0):

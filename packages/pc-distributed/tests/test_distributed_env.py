@@ -1,0 +1,103 @@
+"""Pure helpers: rank/size/address resolution and exception envelopes (no processes started)."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+
+from pc_distributed._env import check_name, resolve_world_spec
+from pc_distributed._errors import RankDiedError, RemoteTraceback, portable_exception, reraise_remote
+
+
+def test_defaults_to_a_one_process_loopback_world_on_a_free_port() -> None:
+    spec = resolve_world_spec(-1, -1, None, None, env={})
+    assert (spec.rank, spec.world_size, spec.dist_url, spec.rpc_url) == (
+        0,
+        1,
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:0",
+    )
+    assert spec.serves_loopback()
+    assert not spec.agent_store
+
+
+def test_torchrun_environment_is_read() -> None:
+    env = {
+        "RANK": "2",
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "10.0.0.5",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    spec = resolve_world_spec(-1, -1, None, None, env=env)
+    assert (spec.rank, spec.world_size, spec.dist_url) == (2, 4, "tcp://10.0.0.5:29500")
+    assert spec.agent_store
+    assert not spec.serves_loopback()
+
+
+def test_arguments_win_over_the_environment_and_rpc_follows_dist() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "1234"}
+    spec = resolve_world_spec(0, 3, "tcp://127.0.0.1:999", None, env=env)
+    assert (spec.rank, spec.world_size, spec.rpc_url) == (0, 3, "tcp://127.0.0.1:999")
+    spec = resolve_world_spec(0, 1, None, "tcp://127.0.0.1:77", env={})
+    assert spec.rpc_url == "tcp://127.0.0.1:77"
+
+
+def test_ipv6_loopback_is_bracketed() -> None:
+    spec = resolve_world_spec(0, 1, None, None, env={"MASTER_ADDR": "::1", "MASTER_PORT": "5"})
+    assert spec.dist_url == "tcp://[::1]:5"
+    assert spec.serves_loopback()
+
+
+@pytest.mark.parametrize(
+    ("rank", "size", "env", "error", "match"),
+    [
+        (-1, 2, {}, ValueError, "rendezvous address"),
+        (3, 2, {"MASTER_PORT": "1"}, ValueError, r"rank must be in \[0, 2\)"),
+        (0, 0, {}, ValueError, "world_size must be >= 1"),
+        ("0", 1, {}, TypeError, "rank must be an int"),
+        (-1, -1, {"RANK": "x"}, ValueError, "RANK must be an integer"),
+        (0, 1, {"MASTER_PORT": "70000"}, ValueError, "MASTER_PORT"),
+    ],
+)
+def test_bad_world_specs(rank: object, size: object, env: dict[str, str], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        resolve_world_spec(rank, size, None, None, env=env)  # type: ignore[arg-type]
+
+
+def test_names() -> None:
+    assert check_name("worker:0-a_b") == "worker:0-a_b"
+    with pytest.raises(ValueError, match="has space"):
+        check_name("has space")
+    with pytest.raises(TypeError, match="int"):
+        check_name(3)
+
+
+class _LockedError(Exception):
+    def __init__(self) -> None:
+        super().__init__("with a lock")
+        self.lock = threading.Lock()
+
+
+def test_portable_exception_keeps_picklable_ones_and_replaces_the_rest() -> None:
+    err = KeyError("k")
+    assert portable_exception(err) is err
+    replaced = portable_exception(_LockedError())
+    assert type(replaced) is RuntimeError
+    assert "_LockedError" in str(replaced)
+    assert "not picklable" in str(replaced)
+
+
+def test_reraise_remote_sets_cause_and_note() -> None:
+    exc = reraise_remote(ValueError("v"), "Traceback: remote", "rank 3")
+    assert isinstance(exc.__cause__, RemoteTraceback)
+    assert "Traceback: remote" in str(exc.__cause__)
+    assert any("rank 3" in n for n in getattr(exc, "__notes__", []))
+
+
+def test_rank_died_error_pickles() -> None:
+    err = pickle.loads(pickle.dumps(RankDiedError(1, -9, "rank 1 was killed by SIGKILL")))
+    assert (err.rank, err.exitcode, str(err)) == (1, -9, "rank 1 was killed by SIGKILL")
+    assert isinstance(err, RuntimeError)
