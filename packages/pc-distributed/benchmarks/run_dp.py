@@ -96,7 +96,7 @@ def step_worker(rank: int, width: int, steps: int, rounds: int, batch: int) -> d
         sgd.step()
     errors = {
         m: max(
-            float((a - b).abs().max()) for a, b in zip(nets[m].parameters(), ref.parameters(), strict=True)
+            float((a - b).detach().abs().max()) for a, b in zip(nets[m].parameters(), ref.parameters(), strict=True)
         )
         for m in ("ddp", "blocking", "nonblocking")
     }
@@ -143,7 +143,7 @@ def time_to_loss_worker(
                 daso.step()
             else:
                 sgd.step()
-            total += float(loss)
+            total += float(loss.detach())
         epochs += 1
         t = torch.tensor([total / bpe])
         dist.all_reduce(t)

@@ -311,7 +311,7 @@ def daso_worker(rank: int, epochs: int, batches_per_epoch: int) -> dict[str, Any
             loss = ((dpm(x) - x @ w_true) ** 2).mean()
             loss.backward()
             daso.step()
-            total += float(loss)
+            total += float(loss.detach())
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.zeros_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)

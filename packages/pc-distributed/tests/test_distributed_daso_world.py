@@ -8,8 +8,8 @@ import torch
 
 from pc_distributed import run_world
 
-EPOCHS = 4
-BATCHES = 6
+EPOCHS = 3
+BATCHES = 4
 
 
 def test_daso_two_simulated_nodes() -> None:

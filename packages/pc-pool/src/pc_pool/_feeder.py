@@ -89,9 +89,9 @@ class FeederMixin(EngineState):
                 self._remember_func_blob(job.func, job.func_blob)
             return job.func_blob
 
-    # A plain function without a closure pickles to the same bytes every time (with recurse=False its globals are
-    # looked up in the worker), so repeated applies of one function reuse its payload instead of paying the dill
-    # path per job. Closures, callables with state and is_recursive pools are dumped per job, as before.
+    # A plain function without a closure pickles to the same bytes every time (with recurse=False its globals
+    # are looked up in the worker), so repeated applies of one function reuse its payload instead of paying
+    # the dill path per job. Closures, callables with state and is_recursive pools are dumped per job.
     def _cached_func_blob(self, func: object) -> bytes | None:
         with self._func_cache_lock:
             entry = self._func_cache.get(id(func))
@@ -122,8 +122,8 @@ class FeederMixin(EngineState):
                 self._cond.notify_all()
             self._deliver(chunk, False, exc)
             return
-        with self._cond:
-            drops = tuple(j for j in w.sent_jobs if j not in self._jobs)
+        # Only this feeder touches w.sent_jobs; a job leaving _jobs concurrently is dropped on the next chunk.
+        drops = tuple(j for j in w.sent_jobs if j not in self._jobs)
         header = (job.id, chunk.index, job.mode, func_blob, drops)
         with w.send_lock:
             if w.dead:
