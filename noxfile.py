@@ -60,6 +60,9 @@ def _pip_find_links() -> str | None:
 _find_links = _pip_find_links()
 if _find_links and not os.environ.get("UV_FIND_LINKS"):
     os.environ["UV_FIND_LINKS"] = " ".join(_find_links.split())
+# uv installs without bytecode by default; with PYTHONDONTWRITEBYTECODE set (as on CI machines here) every
+# spawned test process would then recompile torch's modules. Compile once at install time instead.
+os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
 TORCH_CONSTRAINTS = os.environ.get("PC_TORCH_CONSTRAINTS", "constraints/cpu.txt")
 if not _find_links and TORCH_CONSTRAINTS.endswith("cpu.txt"):
     # Elsewhere (a laptop, GitHub's runners) the +cpu build comes from PyTorch's CPU index.

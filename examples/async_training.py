@@ -145,7 +145,7 @@ def baseline(cfg: Config, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
     """Single-process SGD on the same samples, in the same batch size, for the same number of updates."""
     torch.manual_seed(cfg.seed)
     model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     for i in range(cfg.steps * cfg.workers):
         xb, yb = batch_of(x, y, i, cfg.batch_size)
         opt.zero_grad(set_to_none=True)
@@ -169,41 +169,36 @@ def run_rank(rank: int, cfg: Config, train: tuple[torch.Tensor, torch.Tensor]) -
     import pc_server
     from pc_distributed import get_world
 
+    torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
-    (server,) = pc_server.grad_server_helper(
+    servers = pc_server.grad_server_helper(
         [make_model],
         group_name="grad_server",
         members="all",
         optimizer=torch.optim.SGD,
         learning_rate=cfg.lr,
-        **_server_options(cfg),
+        optimizer_kwargs={"momentum": 0.9},
+        timeout=cfg.timeout,
+        server_kwargs={"reduce_method": "mean", "reduce_batch_size": 1, "max_staleness": cfg.max_staleness},
     )
-    group = get_world().create_rpc_group("demo_done", [str(r) for r in range(cfg.workers + 1)])
+    (server,) = servers
+    server.set_seed(cfg.seed + rank)
+    done = get_world().create_rpc_group("demo_done", [str(r) for r in range(cfg.workers + 1)])
     try:
+        result = {"rank": 0} if rank == 0 else train_worker(rank, cfg, server, train)
+        done.barrier(cfg.timeout)  # the primary keeps serving until every worker is done
+        servers.watch()  # re-raise a reducer thread's error, if any
         if rank == 0:
-            result = {"rank": 0}
-        else:
-            result = train_worker(rank, cfg, server, train)
-        group.barrier()  # the primary keeps serving until every worker is done
-        if rank == 0:
-            result.update(_primary_summary(server))
+            impl = servers.impls[0]
+            stats = impl.stats()
+            result["stats"] = {"steps": stats.steps, "applied": stats.applied, "version": stats.version}
+            result["state_dict"] = {k: v.detach().cpu().clone() for k, v in impl.model.state_dict().items()}
+        result["dropped_stale"] = sum(impl.stats().dropped_stale for impl in servers.impls)
+        done.barrier(cfg.timeout)  # nobody stops its reducer while another still reads the stats
         return result
     finally:
-        group.destroy()
-
-
-def _server_options(cfg: Config) -> dict[str, Any]:
-    return {"max_staleness": cfg.max_staleness, "seed": cfg.seed}
-
-
-def _primary_summary(server: Any) -> dict[str, Any]:
-    impl = server.impl if hasattr(server, "impl") else None
-    stats = impl.stats() if impl is not None and hasattr(impl, "stats") else {}
-    model = impl.model if impl is not None and hasattr(impl, "model") else None
-    return {
-        "stats": stats,
-        "state_dict": {k: v.cpu() for k, v in model.state_dict().items()} if model else None,
-    }
+        servers.stop(timeout=10.0)
+        done.destroy()
 
 
 def train_worker(
@@ -216,25 +211,30 @@ def train_worker(
     import pc_sync
 
     model = make_model()
-    server.pull(model)
-    devices = _devices(cfg)
+    if not server.pull(model):
+        raise RuntimeError("could not pull the initial model from the gradient server")
     parts = list(model.children())
     assigner = pc_assigner.ModelAssigner(
-        parts, {(0, 1): cfg.batch_size * 64}, devices=devices, move_models=True, seed=cfg.seed
+        parts, {(0, 1): cfg.batch_size * 64}, devices=_devices(cfg), move_models=True, seed=cfg.seed
     )
     placement = [str(d) for d in assigner.assignment]
     model = pc_sync.convert_model(model)
-    replica_ids: list[Any] = (
-        ["cpu"] * cfg.replicas if cfg.device == "cpu" else list(range(torch.cuda.device_count()))
-    )
+    if cfg.device == "cuda":
+        replica_ids: list[Any] = list(range(torch.cuda.device_count()))
+        model.cuda()
+    else:
+        replica_ids = ["cpu"] * cfg.replicas
     dp = pc_replicate.ReplicationCallbackDataParallel(model, device_ids=replica_ids)
     x, y = train
-    pushes = accepted = 0
+    pushes = 0
     losses: list[float] = []
     bar = _bar(cfg, rank)
     start = time.perf_counter()
+    # Batches come from a process pool running a lambda (pickled by pc_pickle); the dataset it closes over and
+    # the batches it returns travel as shared-memory handles, not copies.
     with pc_pool.Pool(1, is_copy_tensor=False, share_method="cpu") as pool:
-        batches = pool.imap(lambda i: batch_of(x, y, i, cfg.batch_size), range(rank - 1, 10**9, cfg.workers))
+        indices = range(rank - 1, cfg.steps * cfg.workers, cfg.workers)  # this worker's share of the batches
+        batches = pool.imap(lambda i: batch_of(x, y, i, cfg.batch_size), indices)
         for _ in range(cfg.steps):
             xb, yb = next(batches)
             if cfg.device == "cuda":
@@ -242,7 +242,7 @@ def train_worker(
             model.zero_grad(set_to_none=True)
             loss = nn.functional.cross_entropy(dp(xb), yb)
             loss.backward()
-            accepted += bool(server.push(model))
+            server.push(model)  # gradients to a secondary reducer, then the newest model back
             pushes += 1
             losses.append(loss.item())
             if bar is not None:
@@ -254,7 +254,6 @@ def train_worker(
         "rank": rank,
         "placement": placement,
         "pushes": pushes,
-        "accepted": accepted,
         "first_loss": losses[0],
         "last_loss": sum(losses[-5:]) / len(losses[-5:]),
         "seconds": time.perf_counter() - start,
@@ -297,7 +296,7 @@ def report(
         ("steps (pushes) per worker", str(cfg.steps)),
         ("pushes in all", str(sum(w["pushes"] for w in workers))),
         ("optimizer steps on the server", str(stats.get("steps", "n/a"))),
-        ("dropped stale gradients", str(stats.get("dropped_stale", "n/a"))),
+        ("dropped stale gradients", str(sum(r.get("dropped_stale", 0) for r in results))),
         ("held-out loss: initial", f"{initial:.4f}"),
         ("held-out loss: pc, asynchronous", f"{final:.4f}"),
         ("held-out loss: single-process baseline", f"{base_loss:.4f}"),
@@ -322,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     torch.set_num_threads(1)
     train = make_dataset(cfg.seed, 4096)
-    eval_set = make_dataset(cfg.seed + 1, 2048)
-    # The held-out set is drawn from the same blobs: same seed for the centres, fresh samples.
-    eval_set = make_dataset_eval(cfg.seed, 2048)
+    eval_set = make_dataset_eval(cfg.seed, 2048)  # the same blobs, other samples
     for t in train:
         t.share_memory_()
     print(f"pc demo: {cfg.workers} workers + 1 gradient server, {cfg.steps} steps each, pid {os.getpid()}")

@@ -2,10 +2,11 @@
 
     python packages/pc-assigner/benchmarks/make_optima.py [--time-limit 20] [--only NAME_SUBSTRING]
 
-For ``m ** n <= 1e6`` the optimum comes from exhaustive search (``proof: "exhaustive"``) and the ILP is run as
-a cross-check; above that HiGHS decides (``proof: "ilp"`` when proven optimal, ``"incumbent"`` when the time
-limit stopped it with a feasible but unproven placement). Each instance is written to ``optima/NAME.json`` with
-its parameters, the problem itself, the optimal cost and assignment, and the proof, so CI needs no solver.
+For ``m ** n <= 1e6`` the optimum comes from exhaustive search (``proof: "exhaustive"``) and the ILP is run
+as a cross-check; above that HiGHS decides (``proof: "ilp"`` when proven optimal, ``"incumbent"`` when the
+time limit stopped it with a feasible but unproven placement). Each instance is written to
+``optima/NAME.json`` with its parameters, the problem itself, the optimal cost and assignment, and the
+proof, so CI needs no solver.
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
 """The seeded benchmark suite of placement problems (shared by run.py, make_optima.py and the tests).
 
-Families of traffic: ``chain`` (i -> i+1), ``skip`` (chain plus i -> i+2 and i -> i+4), ``fanio`` (actor-critic
-style: item 0 feeds every item, every item feeds the last) and ``independent`` (no traffic).
+Families of traffic: ``chain`` (i -> i+1), ``skip`` (chain plus i -> i+2 and i -> i+4), ``fanio``
+(actor-critic style: item 0 feeds every item, every item feeds the last) and ``independent`` (no traffic).
 
-Devices: ``homo`` is m GPUs of speed 1 at distance 0.1 from each other; ``mixed`` is m-1 GPUs of speeds 1.0 and
-0.7 (alternating) plus a CPU of speed 0.1 at distance 1.0 from every GPU.
+Devices: ``homo`` is m GPUs of speed 1 at distance 0.1 from each other; ``mixed`` is m-1 GPUs of speeds 1.0
+and 0.7 (alternating) plus a CPU of speed 0.1 at distance 1.0 from every GPU.
 
-Memory tightness tau in {0.6, 0.9, 1.2, 1.5}: on ``mixed`` the GPUs together hold tau x the total size and the
-CPU holds everything; on ``homo`` (where tau < 1 would be infeasible) each device holds (1 + tau / 3) x the
-total / m. Capacities are raised to the largest item where needed so that a placement exists, except in the one
-``infeasible`` instance. Sizes are whole bytes (lognormal around 100 MiB), compute and traffic lognormal; the
-ground-truth cost uses alpha = beta = 1.
-"""
+Memory tightness tau in {0.6, 0.9, 1.2, 1.5}: on ``mixed`` the GPUs together hold tau x the total size and
+the CPU holds everything; on ``homo`` (where tau < 1 would be infeasible) each device holds (1 + tau / 3) x
+the total / m. Capacities are raised to the largest item where needed so that a placement exists, except in
+the one ``infeasible`` instance. Sizes are whole bytes (lognormal around 100 MiB), compute and traffic
+lognormal; the ground-truth cost uses alpha = beta = 1."""
 
 from __future__ import annotations
 
@@ -63,7 +62,14 @@ def make_instance(n: int, m: int, family: str, tight: float, kind: str, seed: in
     caps = [float(int(c)) for c in caps]
     if kind == "infeasible":
         caps = [total / m * 0.9] * m
-    params: dict[str, object] = {"n": n, "m": m, "family": family, "tightness": tight, "kind": kind, "seed": seed}
+    params: dict[str, object] = {
+        "n": n,
+        "m": m,
+        "family": family,
+        "tightness": tight,
+        "kind": kind,
+        "seed": seed,
+    }
     name = f"n{n:02d}-m{m}-{family}-t{tight}-{kind}-s{seed}"
     problem = PlacementProblem(
         sizes=tuple(sizes),

@@ -26,15 +26,27 @@ OPTIMA = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "optima"
 def _problems(count: int, seed: int, n_max: int = 7) -> list[PlacementProblem]:
     rng = random.Random(seed)
     return [
-        random_problem(rng, rng.randint(1, n_max), rng.randint(1, 4), rng.choice([0.6, 0.9, 1.2, 1.5]), rng.random() < 0.5)
+        random_problem(
+            rng,
+            rng.randint(1, n_max),
+            rng.randint(1, 4),
+            rng.choice([0.6, 0.9, 1.2, 1.5]),
+            rng.random() < 0.5,
+        )
         for _ in range(count)
     ]
 
 
 def test_cost_breakdown_exact_numbers() -> None:
     p = PlacementProblem(
-        sizes=(1, 2, 3), compute=(2, 4, 6), capacities=(3, 3), speeds=(1, 0.5),
-        distance=((0, 1), (10, 0)), traffic={(0, 1): 1, (1, 2): 2, (2, 0): 0.5}, alpha=2, beta=3,
+        sizes=(1, 2, 3),
+        compute=(2, 4, 6),
+        capacities=(3, 3),
+        speeds=(1, 0.5),
+        distance=((0, 1), (10, 0)),
+        traffic={(0, 1): 1, (1, 2): 2, (2, 0): 0.5},
+        alpha=2,
+        beta=3,
     )
     c = placement_cost(p, [0, 0, 1])
     assert (c.makespan, c.communication, c.memory, c.feasible) == (12.0, 2 * 1 + 0.5 * 10, (3.0, 3.0), True)
@@ -57,7 +69,8 @@ def test_exact_equals_brute_force_including_ties_and_infeasibility() -> None:
             assert info.value.proven
             continue
         r = solve_placement(p, method="exact")
-        assert r.optimal and r.cost.feasible
+        assert r.optimal
+        assert r.cost.feasible
         assert r.assignment == ref[1]
         assert math.isclose(r.cost.total, ref[0], rel_tol=1e-9)
     assert seen_infeasible > 0  # the random set covers the infeasible path too
@@ -77,7 +90,8 @@ def test_heuristic_feasible_whenever_a_placement_exists_and_close_to_optimal() -
             if method == "heuristic":
                 ratios.append(r.cost.total / ref if ref else 1.0)
     assert len(ratios) >= 30
-    assert statistics.mean(ratios) <= 1.02 and max(ratios) <= 1.2
+    assert statistics.mean(ratios) <= 1.02
+    assert max(ratios) <= 1.2
 
 
 def test_deterministic_for_a_seed_and_unit_invariant() -> None:
@@ -110,14 +124,19 @@ def test_identical_devices_are_interchangeable() -> None:
 def test_no_nan_in_degenerate_problems() -> None:
     cases = [
         PlacementProblem(sizes=(1, 1), compute=(0, 0), capacities=(2,), speeds=(0,), distance=((0,),)),
-        PlacementProblem(sizes=(1, 1), compute=(1, 1), capacities=(2, 2), speeds=(0, 0), distance=((0, 0), (0, 0))),
+        PlacementProblem(
+            sizes=(1, 1), compute=(1, 1), capacities=(2, 2), speeds=(0, 0), distance=((0, 0), (0, 0))
+        ),
         PlacementProblem(sizes=(), compute=(), capacities=(1,), speeds=(1,), distance=((0,),)),
-        PlacementProblem(sizes=(1,), compute=(1,), capacities=(math.inf,), speeds=(1,), distance=((0,),), alpha=0, beta=0),
+        PlacementProblem(
+            sizes=(1,), compute=(1,), capacities=(math.inf,), speeds=(1,), distance=((0,),), alpha=0, beta=0
+        ),
     ]
     for p in cases:
         for method in ("auto", "heuristic", "greedy", "gradient"):
             r = solve_placement(p, method=method, gradient_options={"iterations": 5})  # type: ignore[arg-type]
-            assert math.isfinite(r.cost.total) and r.cost.feasible
+            assert math.isfinite(r.cost.total)
+            assert r.cost.feasible
 
 
 def test_zero_speed_devices_are_left_out() -> None:
@@ -137,7 +156,8 @@ def test_ilp_matches_exact() -> None:
                 solve_placement(p, method="ilp", time_limit=30)
             continue
         r = solve_placement(p, method="ilp", time_limit=30)
-        assert r.cost.feasible and math.isclose(r.cost.total, ref[0], rel_tol=1e-4)
+        assert r.cost.feasible
+        assert math.isclose(r.cost.total, ref[0], rel_tol=1e-4)
 
 
 def test_without_scipy_an_unfound_placement_is_not_called_infeasible() -> None:
@@ -173,7 +193,7 @@ def test_solver_bad_input() -> None:
 
 
 def test_stored_optima_are_met() -> None:
-    """Stored instances up to n = 16 (the benchmark runs them all): exact where m**n <= 1e6; no scipy needed."""
+    """Stored instances up to n = 16 (the benchmark runs all): exact where m**n <= 1e6; no scipy needed."""
     records = [json.loads(f.read_text()) for f in sorted(OPTIMA.glob("*.json"))]
     assert len(records) >= 70
     records = [r for r in records if r["params"]["n"] <= 16]
@@ -188,7 +208,8 @@ def test_stored_optima_are_met() -> None:
         assert r.cost.feasible, rec["name"]
         ratio = r.cost.total / rec["cost"]
         if rec["proof"] == "exhaustive":
-            assert r.optimal and math.isclose(ratio, 1.0, rel_tol=1e-9), rec["name"]
+            assert r.optimal, rec["name"]
+            assert math.isclose(ratio, 1.0, rel_tol=1e-9), rec["name"]
         if rec["params"]["n"] <= 10:
             assert ratio <= 1.2, rec["name"]
         ratios.append(ratio)

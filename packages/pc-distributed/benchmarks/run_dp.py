@@ -96,7 +96,8 @@ def step_worker(rank: int, width: int, steps: int, rounds: int, batch: int) -> d
         sgd.step()
     errors = {
         m: max(
-            float((a - b).detach().abs().max()) for a, b in zip(nets[m].parameters(), ref.parameters(), strict=True)
+            float((a - b).detach().abs().max())
+            for a, b in zip(nets[m].parameters(), ref.parameters(), strict=True)
         )
         for m in ("ddp", "blocking", "nonblocking")
     }

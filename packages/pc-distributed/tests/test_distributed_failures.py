@@ -134,6 +134,23 @@ def test_run_world_reraises_the_original_type_naming_the_rank() -> None:
     assert any("rank 1" in note for note in getattr(info.value, "__notes__", []))
 
 
+def test_an_error_does_not_hold_up_the_other_ranks_stop() -> None:
+    # rank 0 finishes and stops gracefully; rank 1 raises and leaves non-gracefully. Rank 0's stop must not
+    # wait for rank 1 (which would last until the grace period kills it), so the error arrives well before it.
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="boom from rank 1"):
+        pd.run_world(
+            _rank_one_raises,
+            2,
+            timeout=150,
+            start_method="fork",
+            grace_period=90,
+            dist_timeout=30,
+            rpc_timeout=30,
+        )
+    assert time.monotonic() - start < 60
+
+
 def test_run_world_reports_a_dead_rank_promptly() -> None:
     start = time.monotonic()
     with pytest.raises(pd.RankDiedError, match="exited with code 7") as info:

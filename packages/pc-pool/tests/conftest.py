@@ -54,9 +54,13 @@ def _shared_pool_resources() -> tuple[set[int], set[str]]:
     targets: set[str] = set()
     for pool in _SHARED:
         for w in list(getattr(pool, "_workers", [])):
-            if w is not None and w.process.pid is not None:
-                pids.add(w.process.pid)
-                targets |= {t for t in _targets_of(w.process.pid) if t.startswith("pipe:")}
+            try:
+                pid = w.process.pid if w is not None else None
+            except ValueError:  # closed by the pool meanwhile
+                continue
+            if pid is not None:
+                pids.add(pid)
+                targets |= {t for t in _targets_of(pid) if t.startswith("pipe:")}
     return pids, targets
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import warnings
 from typing import Any
 
@@ -134,9 +135,7 @@ def test_ctx_pool_contexts_are_isolated_between_pools() -> None:
 
 def test_ctx_pool_replacement_worker_keeps_its_context() -> None:
     with _fork(CtxPool, 2, worker_contexts=["a", "b"], share_method="cpu") as pool:
-        victim = pool._workers[0]
-        victim.process.kill()
-        victim.process.join(tu.T)
+        os.kill(pool._workers[0].process.pid, signal.SIGKILL)
         contexts = set(pool.map(lambda ctx, x: ctx, range(200), chunksize=1))
         assert contexts <= {"a", "b"}
         assert pool.size() == 2
@@ -249,8 +248,6 @@ def test_pool_call_validation(fork_pool: Pool) -> None:
 
 
 def test_pool_workers_ignore_sigint_and_have_parent_death_signal(fork_pool: Pool) -> None:
-    import signal
-
     handler = fork_pool.apply(lambda: signal.getsignal(signal.SIGINT))
     assert handler == signal.SIG_IGN
     assert os.getpid() != fork_pool.apply(tu.getpid)

@@ -229,7 +229,7 @@ def first_feasible(c: Compiled) -> list[int] | None:
 
 
 def heuristic_search(c: Compiled, *, seed: int = 0, restarts: int | None = None) -> list[int] | None:
-    """Greedy, local search, then restarts: perturb the best (or start a random-order greedy) and search again.
+    """Greedy, local search, then restarts: perturb the best (or a random-order greedy) and search again.
 
     Args:
         c: The compiled problem.
@@ -267,11 +267,13 @@ def heuristic_search(c: Compiled, *, seed: int = 0, restarts: int | None = None)
     return best
 
 
-def _kick(c: Compiled, a: list[int], rng: random.Random, kick: int, *, respect_memory: bool) -> list[int] | None:
+def _kick(
+    c: Compiled, a: list[int], rng: random.Random, kick: int, *, respect_memory: bool
+) -> list[int] | None:
     """Move ``kick`` random items to random devices.
 
-    With ``respect_memory`` only moves that fit are made; otherwise the moves ignore memory and the result is
-    repaired, which lets a large item trade places with several small ones (no single move or swap can).
+    With ``respect_memory`` only moves that fit are made; otherwise the moves ignore memory and the result
+    is repaired, which lets a large item trade places with several small ones (no single move or swap can).
     """
     a = list(a)
     mem = [0.0] * c.m

@@ -61,7 +61,13 @@ def wait_keys(store: Store, keys: Sequence[str], timeout: float, what: str) -> N
 
 
 def store_barrier(
-    store: Store, prefix: str, generation: int, me: str, members: Sequence[str], timeout: float
+    store: Store,
+    prefix: str,
+    generation: int,
+    me: str,
+    members: Sequence[str],
+    timeout: float,
+    wait: bool = True,
 ) -> None:
     """Block until every member entered generation ``generation`` of the barrier under ``prefix``.
 
@@ -82,6 +88,8 @@ def store_barrier(
             old = f"{prefix}/{generation - 1}"
             for key in (f"{old}/n", f"{old}/done", *(f"{old}/arrived/{m}" for m in members)):
                 store.delete_key(key)
+    if not wait:  # arrive without waiting (a member that leaves must not hold the others up)
+        return
     try:
         store.wait([f"{base}/done"], timedelta(seconds=timeout))
     except (RuntimeError, dist.DistStoreError) as exc:

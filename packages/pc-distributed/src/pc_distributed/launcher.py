@@ -68,10 +68,15 @@ def _child_main(
                 world.stop(timeout=max(1.0, deadline_wall - time.time()), graceful=ok)
             except BaseException as exc:  # pragma: no cover - stop() is bounded and catches its errors
                 logger.warning("rank %d: World.stop failed: %r", rank, exc)
+    # Plain pickle, not the connection's ForkingPickler: that one would share tensors through file descriptors
+    # which the parent fetches from this process after it has exited. Plain pickle copies them by value.
     try:
-        conn.send(message)
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # the result did not pickle
-        conn.send((_ERR, TypeError(f"rank {rank}'s result could not be sent: {exc}"), format_exception(exc)))
+        error = TypeError(f"rank {rank}'s result could not be sent: {exc}")
+        payload = pickle.dumps((_ERR, error, format_exception(exc)), protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        conn.send_bytes(payload)
     finally:
         conn.close()
 
@@ -246,7 +251,7 @@ def _collect(procs: list[Any], conns: list[Any], deadline: float, timeout: float
             if conn is not None and (conn in ready or procs[rank].sentinel in ready):
                 try:
                     if conn in ready or conn.poll():
-                        record(rank, conn.recv())
+                        record(rank, pickle.loads(conn.recv_bytes()))
                         continue
                 except (EOFError, OSError):
                     open_conns.pop(rank, None)

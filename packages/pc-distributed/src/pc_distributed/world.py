@@ -281,8 +281,7 @@ class World:
                 except Exception as exc:
                     logger.debug("destroying RPC group %r failed: %r", group.get_group_name(), exc)
             if self.init_rpc:
-                if graceful:
-                    graceful = self._stop_barrier(timeout)
+                graceful = self._stop_barrier(timeout, wait=graceful)
                 _torch_dist.shutdown_rpc(graceful, timeout)
             if self.init_dist:
                 for cg in self.collective_groups:
@@ -294,20 +293,27 @@ class World:
                 if _WORLD is self:
                     _WORLD = None
 
-    def _stop_barrier(self, timeout: float) -> bool:
-        """Meet every rank in ``stop`` through the store (bounded), so a graceful RPC shutdown cannot hang.
+    def _stop_barrier(self, timeout: float, wait: bool) -> bool:
+        """Meet every rank in ``stop`` through the store (bounded); return whether RPC may stop gracefully.
 
         torch's graceful shutdown waits for a dead peer with the store's timeout, not the one passed to it;
-        our
-        own barrier notices the missing rank within ``timeout`` and makes the shutdown non-graceful instead.
+        our barrier notices a missing rank within ``timeout`` instead. A rank that leaves non-gracefully
+        (``wait`` is False) still arrives, and marks the stop as abandoned so that the others do not wait for
+        it in torch's shutdown either.
         """
         try:
-            store_barrier(self.store, "world/stop", 0, self.name, self._names, timeout)
-            return True
+            if not wait:
+                self.store.set("world/stop_abandoned", self.name)
+            store_barrier(self.store, "world/stop", 0, self.name, self._names, timeout, wait=wait)
+            if wait and self.store.check(["world/stop_abandoned"]):
+                logger.info("World.stop: a rank left non-gracefully; shutting RPC down non-gracefully")
+                return False
+            return wait
         except (TimeoutError, RuntimeError, OSError) as exc:
-            warnings.warn(
-                f"World.stop: {exc}; shutting RPC down non-gracefully", RuntimeWarning, stacklevel=3
-            )
+            if wait:
+                warnings.warn(
+                    f"World.stop: {exc}; shutting RPC down non-gracefully", RuntimeWarning, stacklevel=3
+                )
             return False
 
     def __reduce__(self) -> NoReturn:

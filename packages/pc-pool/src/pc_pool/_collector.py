@@ -25,6 +25,7 @@ from pc_pool._protocol import (
     K_RETIRE,
     MaybeEncodingError,
     recv_msg,
+    unread_bytes,
 )
 from pc_pool._records import Chunk, WorkerHandle
 from pc_pool.errors import PoolTerminatedError, RemoteTraceback, WorkerDiedError
@@ -33,10 +34,13 @@ from pc_pool.worker import worker_main
 __all__ = ["CollectorMixin"]
 
 _log = logging.getLogger("pc_pool.pool")
+_MAX_UNREADY_DEATHS = 3  # consecutive deaths before "ready" that break the pool
 
 
 class CollectorMixin(EngineState):
     """The result-thread side of :class:`~pc_pool.BasePool`."""
+
+    _unready_deaths = 0
 
     def _result_loop(self) -> None:
         try:
@@ -148,6 +152,7 @@ class CollectorMixin(EngineState):
         kind, job_id, chunk_index, text = header
         if kind == K_READY:
             w.ready = True
+            self._unready_deaths = 0
             return
         if kind == K_RETIRE:
             with self._cond:
@@ -194,14 +199,19 @@ class CollectorMixin(EngineState):
             chunks = list(w.outstanding)
             w.outstanding.clear()
             crashed = not w.retiring and not w.exit_sent and not self._stopping
-            died = chunks.pop(0) if crashed and chunks and chunks[0].sent else None
+            died = _running_chunk(chunks, unread_bytes(w.task_conn)) if crashed else None
+            if died is not None:
+                chunks.remove(died)
             self._requeue(chunks)
             self._workers[w.index] = None
         self._close_handle(w)
         if crashed and not w.ready:
-            cause = WorkerDiedError(pid, exitcode)
-            self._break(cause)
-            return
+            # Died before it was ready: killed during start-up, or an initializer that exits or crashes. Only a
+            # run of such deaths with no ready worker in between breaks the pool (no respawn loop).
+            self._unready_deaths += 1
+            if self._unready_deaths >= _MAX_UNREADY_DEATHS:
+                self._break(WorkerDiedError(pid, exitcode))
+                return
         if crashed:
             _log.warning(
                 "pc_pool worker %s (pid %s) died with exit code %s; replacing it", w.index, pid, exitcode
@@ -218,6 +228,27 @@ class CollectorMixin(EngineState):
                     self._cond.notify_all()
             if self._state is PoolStates.CLOSE:
                 self._wake()
+
+
+def _running_chunk(chunks: list[Chunk], unread: int | None) -> Chunk | None:
+    """The chunk a dead worker was running: the last sent one whose bytes it had started to read.
+
+    Chunks are sent in order and the worker reads one at a time, so the sent chunks whose bytes are all still
+    in the pipe (``unread``, from FIONREAD) never started and are re-dispatched. Without FIONREAD the first sent
+    chunk is assumed to be running.
+    """
+    sent = [c for c in chunks if c.sent]
+    if not sent:
+        return None
+    if unread is None:
+        return sent[0]
+    started = len(sent)
+    for chunk in reversed(sent):
+        if unread < chunk.nbytes:
+            break
+        unread -= chunk.nbytes
+        started -= 1
+    return sent[started - 1] if started > 0 else None
 
 
 def _load_exception(blob: bytes | None, tb: str | None) -> BaseException:

@@ -109,7 +109,7 @@ class EngineState:
     _p2p: bool = False
 
     # -- hooks implemented by BasePool ----------------------------------------------------------------------
-    def pool_inqueue_put(self, obj: Any) -> None:  # pragma: no cover - abstract
+    def pool_inqueue_put(self, obj: Any) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def pool_outqueue_get(self, timeout: float) -> list[tuple[int, Any]]:  # pragma: no cover - abstract

@@ -129,7 +129,7 @@ class FeederMixin(EngineState):
             if w.dead:
                 return
             try:
-                self.pool_inqueue_put((w.index, header, payload))
+                chunk.nbytes = self.pool_inqueue_put((w.index, header, payload))
             except OSError:
                 return  # the worker died; its reaper re-dispatches the unsent chunk
             chunk.sent = True

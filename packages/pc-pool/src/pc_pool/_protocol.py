@@ -11,8 +11,11 @@ of the ``K_*`` constants.
 
 from __future__ import annotations
 
+import array
+import fcntl
 import multiprocessing.pool
 import pickle
+import termios
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -30,6 +33,7 @@ __all__ = [
     "MaybeEncodingError",
     "recv_msg",
     "send_msg",
+    "unread_bytes",
 ]
 
 # The stdlib's error for a result or exception that cannot travel (reprs only, so it always pickles).
@@ -41,13 +45,35 @@ K_OK, K_ERR, K_ENC, K_READY, K_RETIRE, K_INIT_ERR = range(6)
 _INLINE = 1 << 16
 
 
-def send_msg(conn: Connection, header: tuple[Any, ...], blob: bytes | None) -> None:
-    """Send ``header`` and ``blob`` (inline when small, as a second message when large)."""
+def _framed(n: int) -> int:
+    # Connection.send_bytes prefixes 4 bytes of length (12 above 2 GiB).
+    return n + (4 if n <= 0x7FFFFFFF else 12)
+
+
+def send_msg(conn: Connection, header: tuple[Any, ...], blob: bytes | None) -> int:
+    """Send ``header`` and ``blob`` (inline when small, as a second message when large).
+
+    Returns:
+        The number of bytes written to the pipe, framing included.
+    """
     if blob is not None and len(blob) > _INLINE:
-        conn.send_bytes(pickle.dumps((header, None, True), protocol=5))
+        head = pickle.dumps((header, None, True), protocol=5)
+        conn.send_bytes(head)
         conn.send_bytes(blob)
-    else:
-        conn.send_bytes(pickle.dumps((header, blob, False), protocol=5))
+        return _framed(len(head)) + _framed(len(blob))
+    head = pickle.dumps((header, blob, False), protocol=5)
+    conn.send_bytes(head)
+    return _framed(len(head))
+
+
+def unread_bytes(conn: Connection) -> int | None:
+    """Bytes written to the pipe of ``conn`` that its reader has not consumed (Linux FIONREAD), else None."""
+    try:
+        buf = array.array("i", [0])
+        fcntl.ioctl(conn.fileno(), termios.FIONREAD, buf)
+        return int(buf[0])
+    except (OSError, ValueError):  # pragma: no cover - not Linux, or closed
+        return None
 
 
 def recv_msg(conn: Connection) -> tuple[tuple[Any, ...], bytes | None] | None:

@@ -35,6 +35,7 @@ class Chunk:
     items: list[Any]
     slot: int | None = None
     sent: bool = False
+    nbytes: int = 0  # bytes this chunk took in the task pipe
 
 
 @dataclass(eq=False)

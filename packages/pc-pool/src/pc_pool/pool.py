@@ -157,16 +157,19 @@ class BasePool(FeederMixin, CollectorMixin, PoolFrontend):
         os.set_blocking(self._wake_w, False)
         os.set_blocking(self._wake_r, False)
 
-    def pool_inqueue_put(self, obj: Any) -> None:
+    def pool_inqueue_put(self, obj: Any) -> int:
         """Send one task message ``obj = (worker_index, header, payload)`` to that worker's task pipe.
 
         Called by the worker's feeder thread, the only writer of that pipe.
+
+        Returns:
+            The number of bytes written (used to tell, after a death, which chunks the worker never read).
         """
         index, header, payload = obj
         handle = self._workers[index]
         if handle is None:
             raise OSError(f"worker {index} is gone")
-        send_msg(handle.task_conn, header, payload)
+        return send_msg(handle.task_conn, header, payload)
 
     def pool_outqueue_get(self, timeout: float) -> list[tuple[int, Any]]:
         """Wait up to ``timeout`` seconds for worker events; return them as ``(worker_index, event)`` pairs.

@@ -127,6 +127,7 @@ def grad_server_helper(
     lr_scheduler_kwargs: dict[str, Any] | None = None,
     *,
     timeout: float | None = None,
+    server_kwargs: dict[str, Any] | None = None,
 ) -> ServerTuple:
     """Create one gradient server per model creator (``grad_server_0``, ...) and start every reducer.
 
@@ -150,6 +151,8 @@ def grad_server_helper(
         lr_scheduler_kwargs: Its keyword arguments.
         timeout: Seconds for the members' barrier, which waits for the primary to build the models and
             optimizers (``None``: the group's default).
+        server_kwargs: Extra keyword arguments for every :class:`~pc_server.PushPullGradServerImpl`, e.g.
+            ``{"reduce_method": "mean", "reduce_batch_size": 1, "max_staleness": 4}``.
 
     Returns:
         A :class:`ServerTuple` of :class:`~pc_server.PushPullGradServer` accessors (empty on non-members);
@@ -177,7 +180,11 @@ def grad_server_helper(
     impls: list[PushPullGradServerImpl] = []
     for i, creator in enumerate(model_creators):
         impl = PushPullGradServerImpl(
-            f"grad_server_{i}", group, primary_reducer=primary, secondary_reducers=names
+            f"grad_server_{i}",
+            group,
+            primary_reducer=primary,
+            secondary_reducers=names,
+            **(server_kwargs or {}),
         )
         if group.get_cur_name() == primary:
             model = creator()
