@@ -277,14 +277,20 @@ def _bar(cfg: Config, rank: int) -> Any:
 
 # ------------------------------------------------------------------------------------------------- the table
 def report(
-    cfg: Config, results: list[dict[str, Any]], eval_set: tuple[torch.Tensor, torch.Tensor], base: nn.Module
+    cfg: Config,
+    results: list[dict[str, Any]],
+    train: tuple[torch.Tensor, torch.Tensor],
+    eval_set: tuple[torch.Tensor, torch.Tensor],
+    base: nn.Module,
 ) -> bool:
     """Print the placement and the summary table; return whether training converged."""
     primary, workers = results[0], results[1:]
     print(f"\nplacement of the model's parts (features, head): {workers[0]['placement']}")
     model = make_model()
-    if primary.get("state_dict"):
-        model.load_state_dict(primary["state_dict"])
+    model.load_state_dict(primary["state_dict"])
+    # A gradient server exchanges gradients, not buffers: the server's batch-norm running statistics were never
+    # updated. Recompute them on training batches before evaluating (as torch.optim.swa_utils.update_bn does).
+    recompute_bn_stats(model, train, cfg)
     final = evaluate(model, *eval_set)
     base_loss = evaluate(base, *eval_set)
     initial = evaluate(_initial_model(cfg), *eval_set)
@@ -309,6 +315,20 @@ def report(
     return converged
 
 
+def recompute_bn_stats(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], cfg: Config) -> None:
+    """Reset batch-norm running statistics and re-estimate them as a cumulative average over 20 batches."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    for bn in bns:
+        bn.reset_running_stats()
+        bn.momentum = None  # cumulative moving average
+    model.train()
+    with torch.no_grad():
+        for i in range(20):
+            model(batch_of(*train, i, cfg.batch_size)[0])
+    for bn in bns:
+        bn.momentum = 0.1
+
+
 def _initial_model(cfg: Config) -> nn.Module:
     torch.manual_seed(cfg.seed)
     return make_model()
@@ -329,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_world(run_rank, cfg.workers + 1, args=(cfg, train), timeout=cfg.timeout)
     print(f"world finished in {time.perf_counter() - start:.1f} s")
     base = baseline(cfg, *train)
-    return 0 if report(cfg, results, eval_set, base) else 1
+    return 0 if report(cfg, results, train, eval_set, base) else 1
 
 
 def make_dataset_eval(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -122,8 +122,34 @@ def _rank_zero_hangs(rank: int) -> int:
 _FAST = {"start_method": "fork", "init_dist": False, "init_rpc": False, "dist_timeout": 20}
 
 
+def _tensor_result(rank: int) -> dict[str, torch.Tensor]:
+    return {"t": torch.full((3,), float(rank)), "big": torch.arange(100_000) + rank}
+
+
+def _rank_one_killed(rank: int) -> int:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank * 10
+
+
 def test_run_world_returns_results_by_rank() -> None:
     assert pd.run_world(_rank_times_ten, 3, timeout=60, **_FAST) == [0, 10, 20]
+
+
+def test_run_world_returns_tensors_by_value() -> None:
+    # Tensors come back even though the ranks have exited (no file-descriptor sharing with dead processes).
+    out = pd.run_world(_tensor_result, 2, timeout=60, **_FAST)
+    for rank, result in enumerate(out):
+        assert torch.equal(result["t"], torch.full((3,), float(rank)))
+        assert torch.equal(result["big"], torch.arange(100_000) + rank)
+
+
+def test_run_world_failure_carries_the_survivors_results() -> None:
+    with pytest.raises(pd.RankDiedError, match="SIGKILL") as info:
+        pd.run_world(_rank_one_killed, 3, timeout=60, **_FAST)
+    assert info.value.rank == 1
+    assert info.value.run_world_results == {0: 0, 2: 20}  # type: ignore[attr-defined]
+    assert _our_children() == []
 
 
 def test_run_world_reraises_the_original_type_naming_the_rank() -> None:

@@ -4,7 +4,7 @@
     ------                                    ----------------------
     TCPStore on 127.0.0.1:0 (free port)  <--  World(name=str(r)) as a client of that store
     Pipe r  <-------------------------------  (OK, result) | (ERR, exception, traceback)
-    wait(pipes + sentinels, deadline)         World.stop() in finally, then send, then exit
+    wait(pipes + sentinels, deadline)         send the result, then World.stop(), then exit
 
 The parent owns the store, so there is no bind race between picking a port and using it. It waits on the pipes
 and the process sentinels: a rank's exception or death is noticed at once; the other ranks then get a short
@@ -57,28 +57,33 @@ def _child_main(
     world: World | None = None
     ok = False
     try:
-        world = World(name=str(rank), rank=rank, world_size=world_size, **world_kwargs)
-        message = (_OK, fn(rank, *args))
-        ok = True
-    except BaseException as exc:
-        message = (_ERR, portable_exception(exc), format_exception(exc))
+        try:
+            world = World(name=str(rank), rank=rank, world_size=world_size, **world_kwargs)
+            message = (_OK, fn(rank, *args))
+            ok = True
+        except BaseException as exc:
+            message = (_ERR, portable_exception(exc), format_exception(exc))
+        # The result goes to the parent before the World stops: a graceful stop waits for every peer, and a
+        # peer that died would otherwise cost this rank its result when the parent's grace period runs out.
+        _send(conn, rank, message)
     finally:
+        conn.close()
         if world is not None:
             try:
                 world.stop(timeout=max(1.0, deadline_wall - time.time()), graceful=ok)
             except BaseException as exc:  # pragma: no cover - stop() is bounded and catches its errors
                 logger.warning("rank %d: World.stop failed: %r", rank, exc)
+
+
+def _send(conn: Any, rank: int, message: tuple[Any, ...]) -> None:
     # Plain pickle, not the connection's ForkingPickler: that one would share tensors through file descriptors
-    # which the parent fetches from this process after it has exited. Plain pickle copies them by value.
+    # which the parent fetches from this process, possibly after it has exited. Plain pickle copies by value.
     try:
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # the result did not pickle
         error = TypeError(f"rank {rank}'s result could not be sent: {exc}")
         payload = pickle.dumps((_ERR, error, format_exception(exc)), protocol=pickle.HIGHEST_PROTOCOL)
-    try:
-        conn.send_bytes(payload)
-    finally:
-        conn.close()
+    conn.send_bytes(payload)
 
 
 def _exit_text(code: int | None) -> str:
@@ -155,6 +160,9 @@ def run_world(
             ``RuntimeError``), a note naming the rank and the remote traceback as ``__cause__``.
         RankDiedError: If a rank died (signal or ``os._exit``) before returning.
         TimeoutError: If ranks were still running at the deadline; the message names them.
+
+    A failure raised here carries ``run_world_results``: a dict of the results of the ranks that did return,
+    by rank (e.g. the survivors of a killed worker).
 
     Example:
         >>> def hello(rank: int) -> str:
@@ -276,6 +284,7 @@ def _collect(procs: list[Any], conns: list[Any], deadline: float, timeout: float
             notes.append(f"ranks {sorted(pending)} were killed after the failure of rank {rank}")
         if notes and hasattr(exc, "add_note"):
             exc.add_note("other ranks: " + "; ".join(notes))
+        exc.run_world_results = dict(results)  # type: ignore[attr-defined]
         raise exc
     if pending:
         raise TimeoutError(f"run_world timed out after {timeout:g} s; ranks still running: {sorted(pending)}")

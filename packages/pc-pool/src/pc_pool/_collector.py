@@ -206,8 +206,8 @@ class CollectorMixin(EngineState):
             self._workers[w.index] = None
         self._close_handle(w)
         if crashed and not w.ready:
-            # Died before it was ready: killed during start-up, or an initializer that exits or crashes. Only a
-            # run of such deaths with no ready worker in between breaks the pool (no respawn loop).
+            # Died before it was ready: killed during start-up, or an initializer that exits or crashes. Only
+            # a run of such deaths with no ready worker in between breaks the pool (no respawn loop).
             self._unready_deaths += 1
             if self._unready_deaths >= _MAX_UNREADY_DEATHS:
                 self._break(WorkerDiedError(pid, exitcode))
@@ -234,8 +234,8 @@ def _running_chunk(chunks: list[Chunk], unread: int | None) -> Chunk | None:
     """The chunk a dead worker was running: the last sent one whose bytes it had started to read.
 
     Chunks are sent in order and the worker reads one at a time, so the sent chunks whose bytes are all still
-    in the pipe (``unread``, from FIONREAD) never started and are re-dispatched. Without FIONREAD the first sent
-    chunk is assumed to be running.
+    in the pipe (``unread``, from FIONREAD) never started and are re-dispatched. Without FIONREAD the first
+    sent chunk is assumed to be running.
     """
     sent = [c for c in chunks if c.sent]
     if not sent:
