@@ -2,7 +2,7 @@
 
 What runs where::
 
-    parent: builds the synthetic dataset, starts the world, trains the single-process baseline, prints the table
+    parent: builds the synthetic dataset, starts the world, trains the single-process baseline, prints a table
       |
       | pc_distributed.run_world(world_size = 1 + workers)   (loopback, free ports, a timeout on everything)
       v
@@ -10,15 +10,15 @@ What runs where::
             optimizer and publishes each new model version
     rank 1.. workers: each
               - places the model's parts with pc_assigner.ModelAssigner and prints the placement,
-              - converts BatchNorm with pc_sync.convert_model and runs it on two CPU thread replicas through
-                pc_replicate.ReplicationCallbackDataParallel (batch statistics synchronized across replicas),
-              - gets its batches from a pc_pool.Pool running a lambda (pickled by pc_pickle), the dataset and the
-                batches shared through shared memory rather than copied,
+              - converts BatchNorm with pc_sync.convert_model and runs it on two CPU thread replicas
+                through pc_replicate.ReplicationCallbackDataParallel (batch statistics synchronized),
+              - gets its batches from a pc_pool.Pool running a lambda (pickled by pc_pickle), the dataset
+                and the batches shared through shared memory rather than copied,
               - pushes its gradients to the gradient server and pulls the newest model.
 
-Run ``python examples/async_training.py --help`` for the flags; ``nox -s demo`` runs it with the defaults. The
-script exits with status 1 when training did not converge (final loss not clearly below the initial loss, or far
-above the single-process baseline trained on the same number of samples).
+Run ``python examples/async_training.py --help`` for the flags; ``nox -s demo`` runs it with the defaults.
+The script exits with status 1 when training did not converge (final loss not clearly below the initial loss,
+or far above the single-process baseline trained on the same number of samples).
 """
 
 from __future__ import annotations
@@ -288,8 +288,8 @@ def report(
     print(f"\nplacement of the model's parts (features, head): {workers[0]['placement']}")
     model = make_model()
     model.load_state_dict(primary["state_dict"])
-    # A gradient server exchanges gradients, not buffers: the server's batch-norm running statistics were never
-    # updated. Recompute them on training batches before evaluating (as torch.optim.swa_utils.update_bn does).
+    # A gradient server exchanges gradients, not buffers: the server's batch-norm running statistics were
+    # never updated. Recompute them on training batches before evaluating (like swa_utils.update_bn).
     recompute_bn_stats(model, train, cfg)
     final = evaluate(model, *eval_set)
     base_loss = evaluate(base, *eval_set)

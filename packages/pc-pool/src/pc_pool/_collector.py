@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from pc_pool import _serial
-from pc_pool._engine import CLOSE_GRACE, NO_CONTEXT, TICK, EngineState, PoolStates, now
+from pc_pool._engine import CLOSE_GRACE, FAST_RTT, NO_CONTEXT, TICK, EngineState, PoolStates, now
 from pc_pool._protocol import (
     K_ENC,
     K_ERR,
@@ -166,6 +166,7 @@ class CollectorMixin(EngineState):
         with self._cond:
             chunk = w.outstanding.popleft() if w.outstanding else None
             w.answered += 1
+            w.fast = chunk is not None and now() - chunk.sent_at < FAST_RTT
             self._cond.notify_all()
         if chunk is None or chunk.job.id != job_id or chunk.index != chunk_index:  # pragma: no cover
             _log.error(

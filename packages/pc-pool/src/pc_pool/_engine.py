@@ -26,6 +26,8 @@ from pc_pool.errors import PoolTerminatedError
 
 __all__ = [
     "CLOSE_GRACE",
+    "FAST_RTT",
+    "FAST_WINDOW",
     "KILL_GRACE",
     "NO_CONTEXT",
     "TICK",
@@ -39,6 +41,10 @@ __all__ = [
 
 _log = logging.getLogger("pc_pool.pool")
 WINDOW = 2  # chunks outstanding per worker: one running, one waiting in the pipe
+# While a worker answers within FAST_RTT seconds, its feeder may keep FAST_WINDOW chunks outstanding: tiny tasks
+# then never wait for the parent's round trip, and a slow task can hold back at most a few fast ones.
+FAST_WINDOW = 4
+FAST_RTT = 0.002
 KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL in terminate()
 CLOSE_GRACE = 5.0  # seconds a worker gets to exit after a drained close() before it is killed
 TICK = 5.0  # upper bound of any internal wait; predicates are re-checked, nothing relies on it

@@ -1,9 +1,10 @@
 """The feeder threads of the process pool: one per worker index, the only writer of that worker's task pipe.
 
-A feeder waits (under ``_cond``) until its worker has fewer than ``WINDOW`` chunks outstanding and a chunk is
-ready, serializes the chunk *at dispatch* (memory stays bounded; share handles are made only for chunks that
-leave), and sends it. A pickling error fails that chunk alone. It also sends the exit request to a retiring
-worker, or to every worker once a closed pool has drained.
+A feeder waits (under ``_cond``) until its worker has fewer than ``WINDOW`` chunks outstanding
+(``FAST_WINDOW`` while the worker answers fast) and a chunk is ready, serializes the chunk *at dispatch*
+(memory stays bounded; share handles are made only for chunks that leave), and sends it. A pickling error
+fails that chunk alone. It also sends the exit request to a retiring worker, or to every worker once a closed
+pool has drained.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import threading
 import types
 
 from pc_pool import _serial
-from pc_pool._engine import TICK, WINDOW, EngineState, PoolStates
+from pc_pool._engine import FAST_WINDOW, TICK, WINDOW, EngineState, PoolStates, now
 from pc_pool._protocol import EXIT
 from pc_pool._records import Chunk, Job, WorkerHandle
 
@@ -43,7 +44,7 @@ class FeederMixin(EngineState):
                 if w.retiring or (self._state is PoolStates.CLOSE and not self._jobs):
                     w.exit_sent = True
                     return w, None
-                if len(w.outstanding) < WINDOW:
+                if len(w.outstanding) < (FAST_WINDOW if w.fast else WINDOW):
                     dq = self._slot_ready[index] if self._slot_ready[index] else self._ready
                     if dq:
                         chunk = dq.popleft()
@@ -129,6 +130,7 @@ class FeederMixin(EngineState):
             if w.dead:
                 return
             try:
+                chunk.sent_at = now()
                 chunk.nbytes = self.pool_inqueue_put((w.index, header, payload))
             except OSError:
                 return  # the worker died; its reaper re-dispatches the unsent chunk

@@ -36,6 +36,7 @@ class Chunk:
     slot: int | None = None
     sent: bool = False
     nbytes: int = 0  # bytes this chunk took in the task pipe
+    sent_at: float = 0.0
 
 
 @dataclass(eq=False)
@@ -50,6 +51,7 @@ class WorkerHandle:
     sent_jobs: set[int] = field(default_factory=set)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     ready: bool = False
+    fast: bool = False  # the last chunk came back within FAST_RTT: a deeper window is allowed
     answered: int = 0
     retiring: bool = False
     exit_sent: bool = False

@@ -12,10 +12,10 @@
 **Callers** validate, cut the iterable into chunks and append them to the ready deque (``P2PPool``: to the
 deque of the chunk's worker). They never touch a pipe and never block except in ``get``/``next``/``wait``.
 
-**Feeder i** owns the write end of task pipe i. It keeps at most ``WINDOW`` chunks outstanding on worker i,
-serializes each chunk when it dispatches it (so memory stays bounded and ``terminate`` leaves few unsent share
-handles) and is the only thread that writes to that pipe, so a full pipe stalls worker i only. A pickling
-error fails that chunk alone.
+**Feeder i** owns the write end of task pipe i. It keeps at most 2 chunks outstanding on worker i (4 while
+its answers come back within 2 ms), serializes each chunk when it dispatches it (so memory stays bounded and
+``terminate`` leaves few unsent share handles) and is the only thread that writes to that pipe, so a full
+pipe stalls worker i only. A pickling error fails that chunk alone.
 
 **The result thread** owns the read ends of all result pipes and starts every worker (so ``PR_SET_PDEATHSIG``,
 which follows the forking *thread*, fires only when the pool is gone). It blocks in
