@@ -117,6 +117,22 @@ def _check_torch_build(session: nox.Session) -> None:
         )
 
 
+_CHECK_ONLY = """
+import importlib.util, sys
+expected, names = sys.argv[1].split(","), sys.argv[2].split(",")
+found = [n for n in names if importlib.util.find_spec(n)]
+if sorted(found) != sorted(expected):
+    sys.exit(f"importable siblings: {sorted(found)}; expected only: {sorted(expected)}")
+"""
+
+
+def _check_only(session: nox.Session, allowed: list[str]) -> None:
+    """Fail unless exactly the ``allowed`` siblings are importable in the session's venv."""
+    expected = ",".join(sorted({p.replace("-", "_") for p in allowed}))
+    names = ",".join(p.replace("-", "_") for p in PACKAGES)
+    session.run("python", "-c", _CHECK_ONLY, expected, names, silent=True)
+
+
 def _install_all(session: nox.Session, *extra: str) -> None:
     _install(session, *PACKAGES, *TEST_TOOLS, *extra, editable=True)
     _check_torch_build(session)
@@ -138,6 +154,7 @@ for _package in PACKAGES:
         _install(session, *closure(package), *[d for e in extras for d in closure(e) if e in PACKAGES])
         _install(session, *[e for e in extras if e not in PACKAGES], *TEST_TOOLS)
         _check_torch_build(session)
+        _check_only(session, closure(package) + [d for e in extras if e in PACKAGES for d in closure(e)])
         _pytest(session, f"packages/{package}/tests")
 
 

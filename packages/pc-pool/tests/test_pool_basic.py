@@ -251,3 +251,18 @@ def test_pool_workers_ignore_sigint_and_have_parent_death_signal(fork_pool: Pool
     handler = fork_pool.apply(lambda: signal.getsignal(signal.SIGINT))
     assert handler == signal.SIG_IGN
     assert os.getpid() != fork_pool.apply(tu.getpid)
+
+
+def test_pool_is_recursive_carries_globals_defined_after_fork() -> None:
+    plain = _fork(Pool, 1, share_method="cpu")
+    recursive = _fork(Pool, 1, share_method="cpu", is_recursive=True)
+    try:
+        globals()["LATE_GLOBAL"] = 5  # created after both pools forked their workers
+        func = eval("lambda x: x + LATE_GLOBAL", globals())
+        with pytest.raises(NameError, match="LATE_GLOBAL"):
+            plain.apply_async(func, (1,)).get(tu.T)
+        assert recursive.apply_async(func, (1,)).get(tu.T) == 6
+    finally:
+        globals().pop("LATE_GLOBAL", None)
+        plain.terminate()
+        recursive.terminate()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 from typing import Any
 
 from pc_pool import _serial
@@ -43,6 +44,11 @@ class CollectorMixin(EngineState):
     _unready_deaths = 0
 
     def _result_loop(self) -> None:
+        # Workers are forked from this thread and inherit its signal mask: with SIGINT blocked here, a Ctrl-C
+        # that lands between fork and the worker's SIG_IGN stays pending and is then discarded, instead of
+        # raising KeyboardInterrupt inside a half-started worker. The main thread still receives Ctrl-C.
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self.repopulate_pool()
         except BaseException as exc:

@@ -41,8 +41,8 @@ __all__ = [
 
 _log = logging.getLogger("pc_pool.pool")
 WINDOW = 2  # chunks outstanding per worker: one running, one waiting in the pipe
-# While a worker answers within FAST_RTT seconds, its feeder may keep FAST_WINDOW chunks outstanding: tiny tasks
-# then never wait for the parent's round trip, and a slow task can hold back at most a few fast ones.
+# While a worker answers within FAST_RTT seconds, its feeder may keep FAST_WINDOW chunks outstanding: tiny
+# tasks then never wait for the parent's round trip, and a slow task can hold back at most a few fast ones.
 FAST_WINDOW = 4
 FAST_RTT = 0.002
 KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL in terminate()

@@ -285,6 +285,8 @@ def worker_main(
         parent_pid: The pool process; if it is already gone, exit at once.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # blocked by the parent thread that started us (see _collector)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _set_parent_death_signal()
     if os.getppid() != parent_pid:  # the parent died before PR_SET_PDEATHSIG took effect
         os._exit(1)
