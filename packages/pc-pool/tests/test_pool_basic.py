@@ -266,3 +266,19 @@ def test_pool_is_recursive_carries_globals_defined_after_fork() -> None:
         globals().pop("LATE_GLOBAL", None)
         plain.terminate()
         recursive.terminate()
+
+
+def test_pool_calls_after_terminate_touch_no_foreign_fd() -> None:
+    pool = _fork(Pool, 1, share_method="cpu")
+    pool.terminate()
+    pool.join(tu.T)
+    r, w = os.pipe()  # likely reuses the numbers of the pool's closed wakeup pipe
+    try:
+        pool.close()
+        pool.terminate()
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)  # nothing was written into our pipe
+    finally:
+        os.close(r)
+        os.close(w)

@@ -103,9 +103,11 @@ class CollectorMixin(EngineState):
         for w in self._workers:
             if w is not None:
                 self._close_handle(w)
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._wake_lock:  # _wake() must never write to a closed (and maybe reused) fd number
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wake_w = -1
 
     def _close_handle(self, w: WorkerHandle) -> None:
         w.dead = True

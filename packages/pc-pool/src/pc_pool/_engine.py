@@ -109,6 +109,7 @@ class EngineState:
     _start_error: BaseException | None
     _wake_r: int
     _wake_w: int
+    _wake_lock: threading.Lock
     _copy_tensor: bool = True
     _recurse: bool = False
     _daemon: bool = True
@@ -169,9 +170,10 @@ class EngineState:
         self._fail_everything(err)
 
     def _wake(self) -> None:
-        # A full pipe already wakes the thread; a closed one means it is gone.
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"\0")
+        # A full pipe already wakes the thread; after shutdown there is nobody to wake.
+        with self._wake_lock, contextlib.suppress(BlockingIOError, OSError):
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"\0")
 
     def _drain_wakeups(self) -> None:
         try:

@@ -153,6 +153,7 @@ class BasePool(FeederMixin, CollectorMixin, PoolFrontend):
         self._slot_ready: list[collections.deque[Chunk]] = [
             collections.deque() for _ in range(self._processes)
         ]
+        self._wake_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         os.set_blocking(self._wake_r, False)
