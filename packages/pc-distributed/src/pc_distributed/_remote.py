@@ -3,8 +3,7 @@
 RPC targets never raise. They return an envelope: ``(OK, value)``, ``(ERR, exception, traceback_text)`` or
 ``(MISSING,)`` when this process does not own the key (a stale cache entry on the caller). The caller's side
 (:func:`unwrap`) raises the original exception type with the remote traceback as ``__cause__``; torch's own
-RPC
-error path would turn every exception into a string.
+RPC error path would turn every exception into a string.
 
     caller                         owner
     ------                         -----

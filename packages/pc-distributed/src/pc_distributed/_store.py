@@ -1,8 +1,7 @@
 """Small operations on a torch.distributed ``Store``: atomic claims, look-ups, timed waits and a barrier.
 
 The directory of an :class:`~pc_distributed.RpcGroup` and all barriers live here. Only the store is used (no
-RPC
-threads), so nothing ever nests an RPC inside an RPC handler.
+RPC threads), so nothing ever nests an RPC inside an RPC handler.
 """
 
 from __future__ import annotations
@@ -72,10 +71,8 @@ def store_barrier(
     """Block until every member entered generation ``generation`` of the barrier under ``prefix``.
 
     Each member marks itself arrived and increments a counter; the one reaching the group size sets a
-    persistent
-    ``done`` key (no pulse that a late waiter could miss) and deletes the keys of the previous generation,
-    which
-    every member has left by then.
+    persistent ``done`` key (no pulse that a late waiter could miss) and deletes the keys of the previous
+    generation, which every member has left by then.
 
     Raises:
         TimeoutError: Naming the members that did not arrive.

@@ -248,8 +248,7 @@ class CollectiveGroup:
         """All-reduce over every tensor of every member's ``tensor_list``; all of them get the result.
 
         The list is reduced locally into ``tensor_list[0]``, one collective runs, and the result is copied
-        back
-        to the other entries. ``ReduceOp.AVG`` divides by ``size() * len(tensor_list)``.
+        back to the other entries. ``ReduceOp.AVG`` divides by ``size() * len(tensor_list)``.
         """
         pg = self._pg()
         _check_list("tensor_list", tensor_list)
@@ -317,8 +316,7 @@ class CollectiveGroup:
         """Gather every member's ``input_tensor_list`` into each ``output_tensor_lists[i]``.
 
         Rank ``k``'s ``input_tensor_list[j]`` lands at ``output_tensor_lists[i][k * len(input_tensor_list) +
-        j]``
-        (``k`` is the group rank; torch's old docs wrote ``k * world_size + j``, which was an error).
+        j]`` (``k`` is the group rank; torch's old docs wrote ``k * world_size + j``, which was an error).
         """
         pg = self._pg()
         _check_list("input_tensor_list", input_tensor_list)

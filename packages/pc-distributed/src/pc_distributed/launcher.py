@@ -8,11 +8,9 @@
 
 The parent owns the store, so there is no bind race between picking a port and using it. It waits on the pipes
 and the process sentinels: a rank's exception or death is noticed at once; the other ranks then get a short
-grace
-period to finish before they are killed, and the first failure is re-raised with its original type, naming the
-rank, with the remote traceback as ``__cause__``. At the deadline every process is killed and a
-``TimeoutError``
-names the ranks still running.
+grace period to finish before they are killed, and the first failure is re-raised with its original type,
+naming the rank, with the remote traceback as ``__cause__``. At the deadline every process is killed and a
+``TimeoutError`` names the ranks still running.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """RemoteRef: an RRef to a value on another member whose ``to_here()`` unwraps remote errors.
 
 The RRef returned by torch holds an envelope (see ``_remote``); :meth:`RemoteRef.to_here` fetches it and
-returns
-the value, or raises the remote exception with its original type and the remote traceback as ``__cause__``.
+returns the value, or raises the remote exception with its original type and the remote traceback as
+``__cause__``.
 """
 
 from __future__ import annotations

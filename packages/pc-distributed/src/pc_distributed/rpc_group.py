@@ -1,12 +1,9 @@
 """RpcGroup: named RPC members with a single-owner directory of paired values and registered services.
 
 The directory lives in the world's store: ``rg/<group>/dir/<kind>/<repr(key)>`` holds the owner's name, set
-with
-an atomic compare-and-set (the first writer wins). The value or service itself lives only in the owner's
-locked
-local table (``_remote``). Callers cache ``key -> owner``, so a ``registered_sync`` on the hot path is one
-RPC; an
-owner that lost the key answers "missing", and the caller looks up again and retries once.
+with an atomic compare-and-set (the first writer wins). The value or service itself lives only in the owner's
+locked local table (``_remote``). Callers cache ``key -> owner``, so a ``registered_sync`` on the hot path is
+one RPC; an owner that lost the key answers "missing", and the caller looks up again and retries once.
 
 Keys may be any value whose ``repr`` is the same in every process (strings, ints, tuples of those).
 """

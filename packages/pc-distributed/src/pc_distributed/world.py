@@ -1,10 +1,9 @@
 """The per-process :class:`World`: a named member of a process group and an RPC network, plus its accessors.
 
 Construction is transactional (store, then process group, then RPC; a failure undoes what was done, in
-reverse).
-The store (a ``TCPStore`` served by rank 0, by torchrun's agent or by :func:`~pc_distributed.run_world`) also
-holds
-the rank/name table, the RPC groups' directories and every barrier.
+reverse). The store (a ``TCPStore`` served by rank 0, by torchrun's agent or by
+:func:`~pc_distributed.run_world`) also holds the rank/name table, the RPC groups' directories and every
+barrier.
 """
 
 from __future__ import annotations
@@ -54,8 +53,7 @@ class World:
     Rank, size and the rendezvous address default from torchrun's environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``), else to a one-process world on a free loopback port. Every rank of the
     world must construct its World (and later call :meth:`stop`). A second World in one process raises until
-    the
-    first is stopped.
+    the first is stopped.
 
     Args:
         name: This member's unique name (letters, digits, ``_``, ``:``, ``-``).

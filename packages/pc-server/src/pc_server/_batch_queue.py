@@ -1,9 +1,8 @@
 """A bounded batching queue for the reducer threads: wake on a full batch, a due deadline, or close.
 
 One ``threading.Condition`` guards the items, so a ``put`` between the consumer's check and its wait cannot be
-lost (machin's ``Event.set(); clear()`` pulse could), and the consumer sleeps exactly until the oldest item
-is due
-instead of polling every 0.1 s.
+lost (machin's ``Event.set(); clear()`` pulse could), and the consumer sleeps exactly until the oldest item is
+due instead of polling every 0.1 s.
 """
 
 from __future__ import annotations

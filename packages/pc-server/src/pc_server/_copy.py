@@ -1,9 +1,8 @@
 """Private snapshots of values: tensors are detached and cloned, containers rebuilt, the rest deep-copied.
 
 The ordered server stores values that nobody else can reach. A remote push already arrives as a fresh object;
-an
-in-process push goes through :func:`snapshot` *before* the store's lock is taken, so a large copy never blocks
-other pushers.
+an in-process push goes through :func:`snapshot` *before* the store's lock is taken, so a large copy never
+blocks other pushers.
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ def snapshot(value: Any) -> Any:
     """Return a copy of ``value`` that shares no mutable state with it.
 
     Tensors are detached and cloned (``copy.deepcopy`` refuses non-leaf tensors that require grad); dicts,
-    lists,
-    tuples and named tuples are rebuilt with copied items; anything else goes through ``copy.deepcopy``.
+    lists, tuples and named tuples are rebuilt with copied items; anything else goes through
+    ``copy.deepcopy``.
 
     Args:
         value: Any picklable value.

@@ -1,8 +1,7 @@
 """The slice of pc-distributed's ``RpcGroup`` that the servers use, and the one place that calls it.
 
 Typing against a protocol keeps the servers testable with an in-process fake group, and :func:`call_service`
-is
-the single choke point that turns transport failures into errors naming the server that did not answer.
+is the single choke point that turns transport failures into errors naming the server that did not answer.
 """
 
 from __future__ import annotations

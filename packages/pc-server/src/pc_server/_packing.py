@@ -1,12 +1,10 @@
 """Packing of tensor dictionaries into one flat buffer per dtype, for transport and storage.
 
 Every tensor in an RPC message costs 10-70 µs of framing, so a state dict of 100 small tensors costs several
-times
-one tensor of the same size. :func:`pack` concatenates the tensors of each dtype into one CPU buffer (which
-is also
-the snapshot copy: ``torch.cat`` always allocates), and :func:`unpack` hands back views of those buffers
-shaped
-like the originals. A :class:`Packed` value is immutable by convention: nothing in pc-server writes into it.
+times one tensor of the same size. :func:`pack` concatenates the tensors of each dtype into one CPU buffer
+(which is also the snapshot copy: ``torch.cat`` always allocates), and :func:`unpack` hands back views of
+those buffers shaped like the originals. A :class:`Packed` value is immutable by convention: nothing in
+pc-server writes into it.
 """
 
 from __future__ import annotations

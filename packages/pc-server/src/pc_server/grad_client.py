@@ -2,10 +2,8 @@
 
 A push is one RPC carrying every ``requires_grad`` parameter's gradient packed into one buffer per dtype, with
 ``(client, seq, pp_version)``; the secondary queues it and replies at once. The secondary is chosen by
-rotation
-starting at ``crc32(seed) % n`` (the seed defaults to this process's name), so runs are reproducible; a
-secondary
-that is unreachable is skipped once in favour of the next.
+rotation starting at ``crc32(seed) % n`` (the seed defaults to this process's name), so runs are reproducible;
+a secondary that is unreachable is skipped once in favour of the next.
 """
 
 from __future__ import annotations

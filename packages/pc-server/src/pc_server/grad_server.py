@@ -14,8 +14,7 @@
                               ordered server  <--pull (1 RPC, state only when newer)-- clients
 
 With full batches the primary steps once per ``reduce_batch_size ** 2`` pushes. Every member that constructs
-an
-Impl and is a secondary must ``start()`` it (``grad_server_helper`` does), otherwise gradients routed there
+an Impl and is a secondary must ``start()`` it (``grad_server_helper`` does), otherwise gradients routed there
 wait.
 """
 
@@ -257,8 +256,7 @@ class PushPullGradServerImpl:
 
         The model stays on its device; the published version 0 is a CPU snapshot of it. Each step sets
         ``p.grad`` to the reduced gradient (cast to ``p``'s device and dtype), calls ``optimizer.step()`` and
-        then
-        ``lr_scheduler.step()`` when given.
+        then ``lr_scheduler.step()`` when given.
 
         Warning:
             Use a model that is not also trained directly by your algorithm (e.g. a separate copy in A3C).

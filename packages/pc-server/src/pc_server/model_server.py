@@ -9,8 +9,7 @@
 
 Both calls load into the existing tensors (device, dtype and parameter identity are kept) and never touch
 gradients. With a custom ``o_server`` that is not an :class:`~pc_server.OrderedServerSimple`, a refused push
-with
-``pull_on_fail`` costs a second call and every pull transfers the state.
+with ``pull_on_fail`` costs a second call and every pull transfers the state.
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@
     OrderedServerSimple.pull  --1 RPC-->   <name>/_pull_service  -> VersionedStore.pull
                                            the reply is serialised: the client gets a snapshot
 
-The accessor is a picklable pair ``(server_name, group)``; the Impl pairs one under ``server_name`` so
-clients can
-fetch it with ``group.get_paired(server_name).to_here()``.
+The accessor is a picklable pair ``(server_name, group)``; the Impl pairs one under ``server_name`` so clients
+can fetch it with ``group.get_paired(server_name).to_here()``.
 """
 
 from __future__ import annotations
@@ -117,8 +116,7 @@ class OrderedServerSimple(OrderedServerBase):
         """Push and return the full :class:`~pc_server._versioned.PushResult` in one RPC.
 
         With ``want_newest`` a refused push also carries the newest ``(value, version)``, so "push, and pull
-        on
-        failure" costs one round trip.
+        on failure" costs one round trip.
 
         Args:
             key: Key.
@@ -170,8 +168,7 @@ class OrderedServerSimpleImpl:
     Semantics: the first push of a key always succeeds; later pushes succeed iff ``prev_version`` equals the
     newest version; ``version == prev_version`` overwrites the newest entry; re-using a version that is still
     stored is refused; at most ``version_depth`` versions per key are kept (1 keeps only the newest). Pulls
-    are
-    snapshots. State lives in this process's memory only.
+    are snapshots. State lives in this process's memory only.
 
     Args:
         server_name: Name of this server, used to pair the accessor in ``group``.
