@@ -288,8 +288,7 @@ class RpcGroup:
 
         Raises:
             KeyError: If no service is registered under ``key`` (raised here, or by ``to_here()`` when the
-            owner
-                dropped it meanwhile).
+                owner dropped it meanwhile).
         """
         call_args, call_kwargs = check_call_args(args, kwargs)
         timeout = check_timeout(timeout)

@@ -63,7 +63,7 @@ class World:
         init_rpc: Initialise torch.distributed.rpc (needed for RPC groups' calls).
         dist_backend: Backend of the process group (``"gloo"``, ``"nccl"``).
         dist_init_method: Init method URL of the store and process group (default
-        ``tcp://MASTER_ADDR:MASTER_PORT``).
+            ``tcp://MASTER_ADDR:MASTER_PORT``).
         rpc_init_method: Init method URL of RPC (default: the same store, which is multi-tenant).
         dist_timeout: Seconds for the rendezvous, the store and every collective of the default group.
         rpc_timeout: Default seconds of each RPC and of :meth:`stop`.
