@@ -120,7 +120,7 @@ def plot(result: dict[str, Any]) -> None:
 
     labels = [f"{r['case']} — {r['impl']}" for r in rows]
     ratios = [r["ratio"] for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.2))
+    fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.4))
     ax.barh(range(len(rows)), ratios, color=["#3b7" if v <= 1 else "#c73" for v in ratios])
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
@@ -129,6 +129,7 @@ def plot(result: dict[str, Any]) -> None:
     ax.set_xlabel("ratio to the case's baseline (log scale; meaning per row in the table)")
     ax.set_title(result["package"])
     fig.tight_layout()
+    fig.subplots_adjust(left=0.45)  # room for the long case labels
     PLOTS.mkdir(parents=True, exist_ok=True)
     fig.savefig(PLOTS / f"{result['package']}.png", dpi=110)
     plt.close(fig)
