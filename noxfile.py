@@ -151,7 +151,7 @@ for _package in PACKAGES:
     def _tests_one(session: nox.Session, package: str = _package) -> None:
         """Run one package's tests in a venv holding only its declared closure."""
         extras = EXTRA_TEST_DEPS.get(package, [])
-        _install(session, *closure(package), *[d for e in extras for d in closure(e) if e in PACKAGES])
+        _install(session, *closure(package), *[d for e in extras if e in PACKAGES for d in closure(e)])
         _install(session, *[e for e in extras if e not in PACKAGES], *TEST_TOOLS)
         _check_torch_build(session)
         _check_only(session, closure(package) + [d for e in extras if e in PACKAGES for d in closure(e)])

@@ -62,3 +62,23 @@ def backward_once(model: ThreeLayer) -> None:
     for p in model.parameters():
         p.grad = None
     model(torch.ones(1, 1)).sum().backward()
+
+
+class Wide(nn.Module):
+    """A model whose weight (80 KiB) and buffer travel as tensors of their own; the bias is packed.
+
+    ``fill(v)`` sets every parameter and buffer to ``v``; ``values()`` reads the distinct values back.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(128, 160)
+        self.register_buffer("stats", torch.zeros(40_000, dtype=torch.float64))
+
+    def fill(self, value: float) -> None:
+        with torch.no_grad():
+            for tensor in [*self.parameters(), *self.buffers()]:
+                tensor.fill_(value)
+
+    def values(self) -> list[list[float]]:
+        return [sorted(set(t.flatten().tolist())) for t in [*self.parameters(), *self.buffers()]]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed.rpc as torch_rpc
-from server_models import HalvingScheduler, PlainSGD, ThreeLayer, backward_once
+from server_models import HalvingScheduler, PlainSGD, ThreeLayer, Wide, backward_once
 
 from pc_server import (
     OrderedServerSimpleImpl,
@@ -67,6 +67,7 @@ def happy_world(rank: int) -> dict[str, Any]:
     if rank == 0:
         impls.append(PushPullModelServerImpl("ms", group))
         impls.append(OrderedServerSimpleImpl("kv", group))
+        big_server = PushPullModelServerImpl("ms_big", group)
         for method in ("sum", "mean"):
             model = ThreeLayer()
             impl = PushPullGradServerImpl(
@@ -110,6 +111,42 @@ def happy_world(rank: int) -> dict[str, Any]:
             out["stale_push"] = ms.push(stale)
         out["stale_push_calls"] = counter.count
         out["stale_adopted"] = (stale.weights(), stale.pp_version)
+
+    # --- model server with large tensors (sent without a client-side copy): snapshots on both sides
+    big = group.get_paired("ms_big").to_here()
+    wide = Wide()
+    if rank == 1:
+        wide.fill(1.0)
+        out["big_push"] = big.push(wide)
+        wide.fill(-1.0)  # mutating the client after its push must not reach the server's copy
+    group.barrier(BARRIER_S)
+    if rank == 2:
+        out["big_pulled"] = (big.pull(wide), wide.pp_version, wide.values())
+        wide.fill(-2.0)  # nor may mutating what was pulled
+        wide.pp_version = 0
+        big.pull(wide)
+        out["big_repulled"] = wide.values()
+    group.barrier(BARRIER_S)
+    if rank == 0:  # the serving process pushes through RPC to itself, then mutates and pulls
+        wide.pp_version = 1
+        wide.fill(3.0)
+        params = [id(p) for p in wide.parameters()]
+        out["big_self_push"] = big.push(wide)
+        wide.fill(-3.0)
+        wide.pp_version = 0
+        big.pull(wide)
+        out["big_self_pulled"] = (
+            wide.pp_version,
+            wide.values(),
+            params == [id(p) for p in wide.parameters()],
+        )
+        wide.fill(-4.0)
+        assert big_server._o_server_impl is not None
+        stored, version = big_server._o_server_impl._store.pull("model")  # the stored object itself
+        out["big_stored"] = (
+            version,
+            sorted({v for t in stored.large.values() for v in t.flatten().tolist()}),
+        )
 
     # --- ordered server: ranks 1 and 2 race on one prev_version; rank 0 pushes through RPC to itself
     kv = group.get_paired("kv").to_here()

@@ -28,6 +28,15 @@ def test_model_server_up_to_date_pull_and_stale_push(results: list[dict[str, Any
     assert results[2]["stale_adopted"] == ((11.0, 12.0, 13.0), 10)
 
 
+def test_model_server_large_tensors_are_snapshots(results: list[dict[str, Any]]) -> None:
+    assert results[1]["big_push"] is True
+    assert results[2]["big_pulled"] == (True, 1, [[1.0], [1.0], [1.0]])
+    assert results[2]["big_repulled"] == [[1.0], [1.0], [1.0]]
+    assert results[0]["big_self_push"] is True
+    assert results[0]["big_self_pulled"] == (2, [[3.0], [3.0], [3.0]], True)
+    assert results[0]["big_stored"] == (2, [3.0])
+
+
 def test_ordered_server_cas_one_winner_and_snapshots(results: list[dict[str, Any]]) -> None:
     wins = [results[1]["cas_win"], results[2]["cas_win"]]
     assert wins.count(True) == 1

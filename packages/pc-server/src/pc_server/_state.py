@@ -40,10 +40,19 @@ def set_pp_version(model: nn.Module, version: Any) -> None:
     setattr(model, "pp_version", version)  # noqa: B010 - nn.Module.__setattr__ is typed for tensors and modules
 
 
-def model_snapshot(model: nn.Module) -> Packed:
-    """A packed CPU copy of ``model.state_dict()`` (parameters and buffers, detached); gradients untouched."""
+def model_snapshot(model: nn.Module, *, copy: bool = True) -> Packed:
+    """A packed CPU copy of ``model.state_dict()`` (parameters and buffers, detached); gradients untouched.
+
+    Args:
+        model: The model.
+        copy: With ``False`` large CPU tensors are not copied but shared with the model: only for a value that
+            is serialised right away (an RPC argument), so that the serialisation is the one copy.
+
+    Returns:
+        The packed state.
+    """
     with torch.no_grad():
-        return pack(model.state_dict())
+        return pack(model.state_dict(), copy=copy)
 
 
 def load_snapshot(model: nn.Module, packed: Any) -> None:

@@ -48,13 +48,15 @@ def push_model(o_server: OrderedServerBase, model_name: str, model: nn.Module, p
         Whether the push was accepted.
     """
     pp = get_pp_version(model)
-    state = model_snapshot(model)
     newest: tuple[Any, Any] | None
     if isinstance(o_server, OrderedServerSimple):
+        # The RPC serialises the tensors (also to the serving process itself) and the server keeps what it
+        # received, so large tensors travel without a client-side copy: the server's copy is the only one.
+        state = model_snapshot(model, copy=False)
         result = o_server.push_service_call(model_name, state, pp + 1, pp, want_newest=pull_on_fail)
         accepted, newest = result.accepted, result.newest
-    else:
-        accepted = o_server.push(model_name, state, pp + 1, pp)
+    else:  # an unknown server may keep the value as given: hand it a private copy
+        accepted = o_server.push(model_name, model_snapshot(model), pp + 1, pp)
         newest = o_server.pull(model_name) if (not accepted and pull_on_fail) else None
     if accepted:
         set_pp_version(model, pp + 1)
