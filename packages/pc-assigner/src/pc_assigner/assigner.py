@@ -157,7 +157,7 @@ class ModelAssigner:
         InfeasiblePlacementError: (a ``RuntimeError``) when the models cannot fit: ``"Estimated model will use
             X MiB, but only have Y MiB allowed memory in total."``, or a model larger than every device.
 
-    Example:
+    Examples:
         >>> a = ModelAssigner([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)], {(0, 1): 1},
         ...                   devices=["cuda:0", "cuda:1"], device_memory=[2**30, 2**30], move_models=False)
         >>> [str(d) for d in a.assignment]

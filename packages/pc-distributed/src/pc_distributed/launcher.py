@@ -129,11 +129,9 @@ def run_world(
     """Run ``fn(rank, *args)`` in a fresh local world of ``world_size`` processes; return the results by rank.
 
     Each process builds ``World(name=str(rank), rank=rank, world_size=world_size, ...)`` on free loopback
-    ports
-    (the parent serves the store on port 0), calls ``fn`` and stops its World (also on error). ``fn`` and
-    ``args`` are pickled by reference, so ``fn`` must be a module-level function (test modules are fine:
-    spawned
-    children get the parent's ``sys.path``).
+    ports (the parent serves the store on port 0), calls ``fn``, sends its result back and stops its World
+    (also on error). ``fn`` and ``args`` are pickled by reference, so ``fn`` must be a module-level function
+    (test modules are fine: spawned children get the parent's ``sys.path``).
 
     Args:
         fn: ``fn(rank, *args)``, run on every rank.

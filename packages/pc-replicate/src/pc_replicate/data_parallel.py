@@ -90,15 +90,14 @@ class ReplicationCallbackDataParallel(nn.DataParallel[T]):
         module: the module to parallelize.
         device_ids: CUDA device ids (default: all), or a list of ``n`` CPU devices for thread replicas.
         output_device: where outputs are gathered (default ``device_ids[0]``); must be the CPU for CPU
-        replicas. dim: the dimension inputs are scattered along and outputs gathered along.
+            replicas.
+        dim: the dimension inputs are scattered along and outputs gathered along.
 
     Raises:
         TypeError: if ``module`` is not an ``nn.Module``, ``dim`` is not an int, or ``device_ids`` is not a
-        list
-            of devices.
+            list of devices.
         ValueError: if ``device_ids`` is empty or mixes CPU and accelerator devices, or ``output_device`` is
-        not
-            the CPU for CPU replicas.
+            not the CPU for CPU replicas.
 
     Example::
 

@@ -140,8 +140,7 @@ class PushPullGradServerImpl:
     Raises:
         TypeError: Wrong argument types.
         ValueError: Bad values (unknown reducers, a non-positive batch size, ``max_queue_size`` smaller than
-        the
-            batch size, this process being neither primary nor secondary, ...).
+            the batch size, this process being neither primary nor secondary, ...).
     """
 
     REDUCE_MASTER = REDUCE_MASTER

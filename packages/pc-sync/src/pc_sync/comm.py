@@ -318,9 +318,11 @@ class SyncMaster:
 
         Raises:
             SyncTimeoutError: If some slaves did not send in time; ``missing`` lists them. The master aborts
-            first. SyncAbortedError: If the exchange was aborted. SyncError: If a message came from an unknown
-            or repeated id, or the callback's replies are malformed. Exception: Whatever the callback raised
-            (after aborting, so the slaves stop waiting).
+                first.
+            SyncAbortedError: If the exchange was aborted.
+            SyncError: If a message came from an unknown or repeated id, or the callback's replies are
+                malformed.
+            Exception: Whatever the callback raised (after aborting, so the slaves stop waiting).
         """
         limit = check_timeout(timeout)
         deadline = time.monotonic() + limit
