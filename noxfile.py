@@ -32,7 +32,7 @@ EXTRA_TEST_DEPS: dict[str, list[str]] = {
 # What the demo, the integration tests and the benchmarks use beyond the packages themselves.
 DEMO_DEPS = ["tqdm>=4.60"]
 BENCH_DEPS = ["tqdm>=4.60", "cloudpickle>=3", "loky>=3.4", "matplotlib>=3.7", "scipy>=1.9", "numpy>=1.24"]
-DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
+DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26", "ruff>=0.6"]
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["tests", "lint", "typecheck"]
