@@ -17,11 +17,12 @@ import pytest
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 
 SCRIPT = r"""
-import os, signal, sys
+import faulthandler, os, signal, sys
 import pool_testutils as tu
 from pc_pool import Pool
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test dumps our stacks if we hang
     mode, fd = sys.argv[1], int(sys.argv[2])
     pool = Pool(2, share_method="cpu")
     result = pool.map_async(tu.sleep_long, range(4), chunksize=1)
@@ -96,7 +97,13 @@ def test_pool_ctrl_c_terminates_workers_and_exits_once(tmp_path: pathlib.Path) -
     try:
         start = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # faulthandler writes every thread's stack to stderr
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(3)
+            pytest.fail(f"the script did not exit within 30 s of Ctrl-C; its stderr:\n{err.read_text()}")
         elapsed = time.monotonic() - start
         text = err.read_text()
         assert proc.returncode != 0
