@@ -12,11 +12,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 from typing import Any
 
 from pc_pool import _serial
-from pc_pool._engine import CLOSE_GRACE, FAST_RTT, NO_CONTEXT, TICK, EngineState, PoolStates, now
+from pc_pool._engine import (
+    CLOSE_GRACE,
+    FAST_RTT,
+    NO_CONTEXT,
+    TICK,
+    EngineState,
+    PoolStates,
+    block_sigint_in_this_thread,
+    now,
+)
 from pc_pool._protocol import (
     K_ENC,
     K_ERR,
@@ -47,8 +55,7 @@ class CollectorMixin(EngineState):
         # Workers are forked from this thread and inherit its signal mask: with SIGINT blocked here, a Ctrl-C
         # that lands between fork and the worker's SIG_IGN stays pending and is then discarded, instead of
         # raising KeyboardInterrupt inside a half-started worker. The main thread still receives Ctrl-C.
-        if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        block_sigint_in_this_thread()
         try:
             self.repopulate_pool()
         except BaseException as exc:

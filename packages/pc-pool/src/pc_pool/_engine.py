@@ -15,6 +15,7 @@ import enum
 import logging
 import multiprocessing.context
 import os
+import signal
 import threading
 import time
 import weakref
@@ -34,6 +35,7 @@ __all__ = [
     "WINDOW",
     "EngineState",
     "PoolStates",
+    "block_sigint_in_this_thread",
     "now",
     "register_pool",
     "unregister_pool",
@@ -62,6 +64,19 @@ def _terminate_live_pools() -> None:
             pool.terminate()
         except Exception:  # pragma: no cover - best effort at interpreter exit
             _log.debug("terminating a pool at exit failed", exc_info=True)
+
+
+def block_sigint_in_this_thread() -> None:
+    """Block SIGINT in the calling (pool-owned) thread.
+
+    The kernel delivers a process-directed SIGINT to any thread that does not block it. If it lands in a pool
+    thread, Python only sets a flag there, and a main thread blocked in ``Event.wait(timeout)`` (``get()``)
+    does not see the Ctrl-C until its timeout ends. Blocking SIGINT in every thread the pool owns makes the
+    kernel pick the main thread, whose wait is then interrupted at once. Threads started from here (and
+    processes forked from here) inherit the mask.
+    """
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 def register_pool(pool: Any) -> None:

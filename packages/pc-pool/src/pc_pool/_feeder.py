@@ -15,7 +15,15 @@ import threading
 import types
 
 from pc_pool import _serial
-from pc_pool._engine import FAST_WINDOW, TICK, WINDOW, EngineState, PoolStates, now
+from pc_pool._engine import (
+    FAST_WINDOW,
+    TICK,
+    WINDOW,
+    EngineState,
+    PoolStates,
+    block_sigint_in_this_thread,
+    now,
+)
 from pc_pool._protocol import EXIT
 from pc_pool._records import Chunk, Job, WorkerHandle
 
@@ -53,6 +61,7 @@ class FeederMixin(EngineState):
             self._cond.wait(TICK)
 
     def _feed(self, index: int) -> None:
+        block_sigint_in_this_thread()  # Ctrl-C must reach the main thread (see the function's docstring)
         while True:
             with self._cond:
                 action = self._next_action(index)
