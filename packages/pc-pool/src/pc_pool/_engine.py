@@ -36,6 +36,7 @@ __all__ = [
     "EngineState",
     "PoolStates",
     "block_sigint_in_this_thread",
+    "check_pool_args",
     "now",
     "register_pool",
     "unregister_pool",
@@ -64,6 +65,24 @@ def _terminate_live_pools() -> None:
             pool.terminate()
         except Exception:  # pragma: no cover - best effort at interpreter exit
             _log.debug("terminating a pool at exit failed", exc_info=True)
+
+
+def check_pool_args(processes: int | None, initializer: Callable[..., object] | None) -> int:
+    """Validate the arguments every pool shares; return the number of workers (``None``: the CPU count).
+
+    Raises:
+        TypeError: ``processes`` is not an int (or None), or ``initializer`` is not callable (or None).
+        ValueError: ``processes`` is below 1.
+    """
+    if processes is None:
+        processes = os.cpu_count() or 1
+    if isinstance(processes, bool) or not isinstance(processes, int):
+        raise TypeError(f"processes must be an int or None, got {type(processes).__name__}")
+    if processes < 1:
+        raise ValueError(f"processes must be at least 1, got {processes}")
+    if initializer is not None and not callable(initializer):
+        raise TypeError(f"initializer must be callable or None, got {type(initializer).__name__}")
+    return processes
 
 
 def block_sigint_in_this_thread() -> None:

@@ -43,7 +43,7 @@ from typing import Any
 
 from pc_pool._api import PoolFrontend
 from pc_pool._collector import CollectorMixin
-from pc_pool._engine import KILL_GRACE, TICK, PoolStates, now, register_pool, unregister_pool
+from pc_pool._engine import KILL_GRACE, TICK, PoolStates, check_pool_args, now, register_pool, unregister_pool
 from pc_pool._feeder import FeederMixin
 from pc_pool._protocol import recv_msg, send_msg
 from pc_pool._records import Chunk, Job, WorkerHandle
@@ -93,12 +93,7 @@ class BasePool(FeederMixin, CollectorMixin, PoolFrontend):
         maxtasksperchild: int | None = None,
         context: multiprocessing.context.BaseContext | None = None,
     ) -> None:
-        if processes is None:
-            processes = os.cpu_count() or 1
-        if isinstance(processes, bool) or not isinstance(processes, int):
-            raise TypeError(f"processes must be an int or None, got {type(processes).__name__}")
-        if processes < 1:
-            raise ValueError(f"processes must be at least 1, got {processes}")
+        processes = check_pool_args(processes, initializer)
         if maxtasksperchild is not None:
             if isinstance(maxtasksperchild, bool) or not isinstance(maxtasksperchild, int):
                 raise TypeError(
@@ -106,8 +101,6 @@ class BasePool(FeederMixin, CollectorMixin, PoolFrontend):
                 )
             if maxtasksperchild < 1:
                 raise ValueError(f"maxtasksperchild must be None or >= 1, got {maxtasksperchild}")
-        if initializer is not None and not callable(initializer):
-            raise TypeError(f"initializer must be callable or None, got {type(initializer).__name__}")
         self._processes = processes
         self._initializer = initializer
         self._initargs = tuple(initargs)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from pc_pool._api import PoolFrontend
+from pc_pool._engine import check_pool_args
 from pc_pool._protocol import MODE_APPLY, MODE_MAP
 from pc_pool.errors import PoolTerminatedError
 from pc_pool.pool import PoolStates
@@ -54,16 +55,7 @@ class ThreadPool(PoolFrontend):
         is_copy_tensor: bool = True,
         share_method: str | None = None,
     ) -> None:
-        import os
-
-        if processes is None:
-            processes = os.cpu_count() or 1
-        if isinstance(processes, bool) or not isinstance(processes, int):
-            raise TypeError(f"processes must be an int or None, got {type(processes).__name__}")
-        if processes < 1:
-            raise ValueError(f"processes must be at least 1, got {processes}")
-        if initializer is not None and not callable(initializer):
-            raise TypeError(f"initializer must be callable or None, got {type(initializer).__name__}")
+        processes = check_pool_args(processes, initializer)
         self._processes = processes
         self._initializer = initializer
         self._initargs = tuple(initargs)
