@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
 
@@ -127,7 +128,7 @@ def _collective_checks(rank: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def observed() -> list[dict[str, Any]]:
     return pd.run_world(
-        _collective_checks, 3, timeout=150, init_rpc=False, dist_timeout=30, start_method="fork"
+        _collective_checks, 3, timeout=150, init_rpc=False, dist_timeout=30, start_method=fork_unless_cuda()
     )
 
 

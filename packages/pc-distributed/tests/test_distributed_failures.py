@@ -1,7 +1,7 @@
 """Failure paths: a peer killed mid-collective and mid-RPC, stop() with a dead peer, run_world's errors.
 
-The peer-death world is spawned; the launcher checks use ``start_method="fork"`` and store-only Worlds, which
-start in well under a second.
+The peer-death world is spawned; the launcher checks fork store-only Worlds (spawn once CUDA is initialized),
+which start in well under a second.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
 
@@ -172,7 +173,7 @@ def test_an_error_does_not_hold_up_the_other_ranks_stop() -> None:
             _rank_one_raises,
             2,
             timeout=150,
-            start_method="fork",
+            start_method=fork_unless_cuda(),
             grace_period=90,
             dist_timeout=30,
             rpc_timeout=30,
@@ -206,3 +207,14 @@ def test_run_world_bad_arguments() -> None:
         pd.run_world(_rank_times_ten, 1, start_method="teleport")
     with pytest.raises(ValueError, match="timeout"):
         pd.run_world(_rank_times_ten, 1, timeout=0)
+
+
+def test_run_world_refuses_fork_with_rpc_after_cuda_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forked ranks cannot start TensorPipe after the parent used CUDA: a clear error, no rank started."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    children = psutil.Process().children()
+    with pytest.raises(ValueError, match=r"initialized CUDA.*spawn"):
+        pd.run_world(_rank_times_ten, 2, start_method="fork")
+    assert psutil.Process().children() == children
+    # without RPC a forked rank is fine (gloo needs no CUDA)
+    assert pd.run_world(_rank_times_ten, 2, start_method="fork", init_rpc=False, timeout=60) == [0, 10]

@@ -10,6 +10,7 @@ from typing import Any
 
 import psutil
 import pytest
+from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
 
@@ -70,7 +71,13 @@ def _double(x: int) -> int:
 @pytest.fixture(scope="module")
 def observed() -> dict[str, Any]:
     (result,) = pd.run_world(
-        _lifecycle, 1, timeout=120, start_method="fork", init_dist=False, init_rpc=False, dist_timeout=20
+        _lifecycle,
+        1,
+        timeout=120,
+        start_method=fork_unless_cuda(),
+        init_dist=False,
+        init_rpc=False,
+        dist_timeout=20,
     )
     return result
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
 
@@ -196,7 +197,9 @@ def _rpc_checks(rank: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def observed() -> list[dict[str, Any]]:
-    return pd.run_world(_rpc_checks, 3, timeout=170, dist_timeout=30, rpc_timeout=30, start_method="fork")
+    return pd.run_world(
+        _rpc_checks, 3, timeout=170, dist_timeout=30, rpc_timeout=30, start_method=fork_unless_cuda()
+    )
 
 
 def test_group_info(observed: list[dict[str, Any]]) -> None:

@@ -61,7 +61,7 @@ def backward_once(model: ThreeLayer) -> None:
     """Gradients (6, 3, 2) for weights (1, 2, 3), whatever zero_grad left behind."""
     for p in model.parameters():
         p.grad = None
-    model(torch.ones(1, 1)).sum().backward()
+    model(torch.ones(1, 1, device=model.fc1.weight.device)).sum().backward()
 
 
 class Wide(nn.Module):

@@ -32,6 +32,8 @@ def test_grad_server_keeps_cuda_model_on_device(hub3: Hub) -> None:
         impl.watch()
         assert all(p.is_cuda for p in managed.parameters())
         assert [id(p) for p in managed.parameters()] == ids
+        assert managed.weights() == (-5.0, -1.0, 1.0)
+        assert client.pull(model)  # push pulled before the (asynchronous) update was applied
         assert all(p.is_cuda for p in model.parameters())
         assert model.weights() == (-5.0, -1.0, 1.0)
     finally:

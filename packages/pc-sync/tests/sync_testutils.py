@@ -10,6 +10,7 @@ from torch import nn
 
 import pc_sync
 from pc_replicate import ReplicationCallbackDataParallel
+from pc_sync.batchnorm import _TORCH_BN_TAKES_BIAS
 
 SYNC_OF = {
     nn.BatchNorm1d: pc_sync.SynchronizedBatchNorm1d,
@@ -38,7 +39,11 @@ def bn_pair(
 ) -> tuple[nn.Module, nn.Module]:
     """A torch batch norm with random state and its synchronized twin with the same state."""
     gen = torch.Generator().manual_seed(seed)
-    ref = ref_cls(num_features, dtype=dtype, **kwargs)
+    ref_kwargs = dict(kwargs)
+    drop_bias = not _TORCH_BN_TAKES_BIAS and ref_kwargs.pop("bias", True) is False
+    ref = ref_cls(num_features, dtype=dtype, **ref_kwargs)
+    if drop_bias:  # torch before the ``bias`` switch (2.11): a bias-free reference by hand
+        ref.register_parameter("bias", None)
     randomize(ref, gen)
     ours = SYNC_OF[ref_cls](num_features, dtype=dtype, **kwargs)
     ours.load_state_dict(ref.state_dict())

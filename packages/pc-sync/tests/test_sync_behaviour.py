@@ -145,6 +145,31 @@ def test_constructor_validation() -> None:
     assert bn.weight.dtype == torch.float64
 
 
+@pytest.mark.parametrize("torch_takes_bias", [True, False], ids=["torch-bias-arg", "older-torch"])
+def test_bias_switch_on_every_torch(monkeypatch: pytest.MonkeyPatch, torch_takes_bias: bool) -> None:
+    """``bias=False`` and ``convert_model`` work whether torch's _BatchNorm takes ``bias`` or not (2.11)."""
+    import pc_sync.batchnorm as bn_module
+
+    if torch_takes_bias and not bn_module._TORCH_BN_TAKES_BIAS:
+        pytest.skip("this torch's _BatchNorm has no bias argument")
+    monkeypatch.setattr(bn_module, "_TORCH_BN_TAKES_BIAS", torch_takes_bias)
+    no_bias = SynchronizedBatchNorm1d(3, bias=False)
+    assert no_bias.bias is None
+    assert [name for name, _ in no_bias.named_parameters()] == ["weight"]
+    with_bias = SynchronizedBatchNorm1d(3)
+    assert with_bias.bias is not None
+    assert with_bias.bias.shape == (3,)
+    ref = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    converted = pc_sync.convert_model(copy.deepcopy(ref))
+    assert isinstance(converted[1], SynchronizedBatchNorm1d)
+    x = torch.randn(8, 3)
+    plain = nn.BatchNorm1d(3)  # its bias starts at zero, so it matches both
+    for ours in (no_bias, with_bias):
+        assert_close(replicated(ours, 2)(x), plain(x), **tolerances(torch.float32))
+    x = torch.randn(8, 4)
+    assert_close(replicated(converted, 2)(x), ref(x), **tolerances(torch.float32))
+
+
 # ------------------------------------------------------------------------------------------- failures
 
 

@@ -16,6 +16,7 @@ from pc_sync import (
     SynchronizedBatchNorm3d,
     convert_model,
 )
+from pc_sync.batchnorm import _TORCH_BN_TAKES_BIAS
 
 
 class _Net(nn.Module):
@@ -57,6 +58,8 @@ def test_nested_and_top_level_modules_are_converted_in_place() -> None:
 )
 @pytest.mark.parametrize("training", [True, False])
 def test_state_and_hyper_parameters_are_kept(kwargs: dict[str, object], training: bool) -> None:
+    if "bias" in kwargs and not _TORCH_BN_TAKES_BIAS:
+        pytest.skip("this torch's BatchNorm has no bias argument (test_sync_behaviour covers the emulation)")
     bn = nn.BatchNorm2d(4, **kwargs)  # type: ignore[arg-type]
     bn.train()
     bn(torch.randn(5, 4, 2, 2, dtype=bn.running_mean.dtype if bn.running_mean is not None else torch.float32))
@@ -110,6 +113,7 @@ def test_data_parallel_becomes_the_callback_class() -> None:
     dp = nn.DataParallel(nn.Sequential(nn.BatchNorm1d(3)))
     # CPU-only torch leaves device_ids empty and sets no output_device/dim; give it CPU replicas by hand
     dp.device_ids, dp.output_device, dp.dim = ["cpu", "cpu"], "cpu", 0
+    dp.module.cpu()  # with one visible GPU, DataParallel moved the module there
     out = convert_model(dp)
     assert isinstance(out, ReplicationCallbackDataParallel)
     assert type(out.module[0]) is SynchronizedBatchNorm1d

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from pc_distributed import _torch_dist
 from pc_distributed._errors import RankDiedError, format_exception, portable_exception, reraise_remote
 
@@ -151,7 +153,8 @@ def run_world(
 
     Raises:
         TypeError: If ``fn`` is not picklable by reference or an argument has the wrong type.
-        ValueError: If an argument is out of range.
+        ValueError: If an argument is out of range, or ``start_method="fork"`` with ``init_rpc`` in a process
+            that has initialized CUDA (forked ranks cannot start TensorPipe's RPC then).
         Exception: The first failing rank's exception, with its original type where it pickles (else a
             ``RuntimeError``), a note naming the rank and the remote traceback as ``__cause__``.
         RankDiedError: If a rank died (signal or ``os._exit``) before returning.
@@ -182,6 +185,13 @@ def run_world(
     grace_period = _check_number("grace_period", grace_period)
     if start_method not in mp.get_all_start_methods():
         raise ValueError(f"start_method must be one of {mp.get_all_start_methods()}, got {start_method!r}")
+    if start_method == "fork" and init_rpc and torch.cuda.is_initialized():
+        # A forked child cannot use the CUDA context it inherited, and TensorPipe's RPC agent opens CUDA
+        # channels whenever CUDA is present: init_rpc would fail in every rank (CUDA_ERROR_NOT_INITIALIZED).
+        raise ValueError(
+            "start_method='fork' with init_rpc=True, but this process has already initialized CUDA: forked "
+            "ranks cannot start RPC then. Use start_method='spawn' (the default) or 'forkserver'"
+        )
     world_kwargs = {
         "dist_backend": backend,
         "init_dist": bool(init_dist),

@@ -14,6 +14,7 @@ communication in backward and therefore cannot deadlock.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple, cast
@@ -29,6 +30,10 @@ __all__ = ["SynchronizedBatchNorm1d", "SynchronizedBatchNorm2d", "SynchronizedBa
 logger = logging.getLogger(__name__)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+# torch's _BatchNorm grew a ``bias`` switch in a recent release; on older torch (2.11 and before)
+# ``bias=False`` is emulated by dropping the parameter after construction; every forward path here
+# already handles a missing bias.
+_TORCH_BN_TAKES_BIAS = "bias" in inspect.signature(nn.modules.batchnorm._BatchNorm.__init__).parameters
 
 
 class _ChildMessage(NamedTuple):
@@ -112,7 +117,14 @@ class _SyncBNMixin(nn.Module):
         sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
     ) -> None:
         timeout = check_timeout(sync_timeout)
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        if _TORCH_BN_TAKES_BIAS:
+            super().__init__(
+                num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
+            )
+        else:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+            if not bias:
+                self.register_parameter("bias", None)
         self.sync_timeout = timeout
         self._sync_master: SyncMaster | None = None
         self._slave_pipe: SlavePipe | None = None
