@@ -185,7 +185,7 @@ def run_world(
     grace_period = _check_number("grace_period", grace_period)
     if start_method not in mp.get_all_start_methods():
         raise ValueError(f"start_method must be one of {mp.get_all_start_methods()}, got {start_method!r}")
-    if start_method == "fork" and init_rpc and torch.cuda.is_initialized():
+    if start_method == "fork" and init_rpc and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         # A forked child cannot use the CUDA context it inherited, and TensorPipe's RPC agent opens CUDA
         # channels whenever CUDA is present: init_rpc would fail in every rank (CUDA_ERROR_NOT_INITIALIZED).
         raise ValueError(
