@@ -6,9 +6,9 @@ import torch
 
 
 def fork_unless_cuda() -> str:
-    """``"fork"`` (fast start), or ``"spawn"`` once this process has initialized CUDA (a GPU machine's run).
+    """``"fork"`` (fast start), or ``"spawn"`` where CUDA is available (a GPU machine's run).
 
-    A forked child cannot use an inherited CUDA context and TensorPipe opens CUDA channels whenever CUDA is
-    present, so RPC would not start in a forked rank there.
+    TensorPipe opens CUDA channels whenever CUDA is present, and CUDA cannot start in a child forked after the
+    parent initialized its driver, so RPC would not start in a forked rank there (run_world refuses it).
     """
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+    return "spawn" if torch.cuda.is_available() else "fork"

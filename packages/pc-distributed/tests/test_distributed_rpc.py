@@ -116,6 +116,7 @@ def _rpc_checks(rank: int) -> dict[str, Any]:
     group.barrier()
     if rank == 0:
         out["final_counter"] = service.counter
+    group.barrier()  # no peer counts again before rank 0 has read the counter
     out["async_and_remote"] = (
         group.registered_async("count").wait() > 23,
         group.registered_remote("count").to_here() > 23,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -134,11 +135,13 @@ def test_untyped_storage_round_trip_keeps_its_class() -> None:
     assert out_t.untyped_storage().data_ptr() == out_storage.data_ptr()
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_special_tensors_fall_back_to_torch() -> None:
     sparse = torch.eye(3).to_sparse()
     conj = torch.tensor([1 + 2j]).conj()
-    out_sparse, out_conj = pc_pickle.loads(pc_pickle.dumps([sparse, conj]))
+    with warnings.catch_warnings():
+        # some torch releases (2.11) warn that sparse invariant checks are off when rebuilding a sparse tensor
+        warnings.simplefilter("ignore", UserWarning)
+        out_sparse, out_conj = pc_pickle.loads(pc_pickle.dumps([sparse, conj]))
     assert out_sparse.is_sparse
     assert torch.equal(out_sparse.to_dense(), torch.eye(3))
     assert torch.equal(out_conj.resolve_conj(), conj.resolve_conj())

@@ -153,8 +153,8 @@ def run_world(
 
     Raises:
         TypeError: If ``fn`` is not picklable by reference or an argument has the wrong type.
-        ValueError: If an argument is out of range, or ``start_method="fork"`` with ``init_rpc`` in a process
-            that has initialized CUDA (forked ranks cannot start TensorPipe's RPC then).
+        ValueError: If an argument is out of range, or ``start_method="fork"`` with ``init_rpc`` where CUDA is
+            available (forked ranks cannot start TensorPipe's RPC there).
         Exception: The first failing rank's exception, with its original type where it pickles (else a
             ``RuntimeError``), a note naming the rank and the remote traceback as ``__cause__``.
         RankDiedError: If a rank died (signal or ``os._exit``) before returning.
@@ -185,12 +185,13 @@ def run_world(
     grace_period = _check_number("grace_period", grace_period)
     if start_method not in mp.get_all_start_methods():
         raise ValueError(f"start_method must be one of {mp.get_all_start_methods()}, got {start_method!r}")
-    if start_method == "fork" and init_rpc and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        # A forked child cannot use the CUDA context it inherited, and TensorPipe's RPC agent opens CUDA
-        # channels whenever CUDA is present: init_rpc would fail in every rank (CUDA_ERROR_NOT_INITIALIZED).
+    if start_method == "fork" and init_rpc and torch.cuda.is_available():
+        # TensorPipe's RPC agent opens CUDA channels whenever CUDA is present, and CUDA cannot start in a
+        # child forked after the parent's driver was initialized (torch.cuda.is_available() does that): every
+        # rank's init_rpc would fail with CUDA_ERROR_NOT_INITIALIZED. Refuse before anything starts.
         raise ValueError(
-            "start_method='fork' with init_rpc=True, but this process has already initialized CUDA: forked "
-            "ranks cannot start RPC then. Use start_method='spawn' (the default) or 'forkserver'"
+            "start_method='fork' with init_rpc=True on a machine with CUDA: forked ranks cannot start RPC "
+            "there. Use start_method='spawn' (the default) or 'forkserver'"
         )
     world_kwargs = {
         "dist_backend": backend,

@@ -1,0 +1,108 @@
+"""pc-sync CUDA benchmark: synchronized batch norm on one GPU against ``nn.BatchNorm2d``.
+
+Run from the repository root: ``python packages/pc-sync/benchmarks/run_cuda.py [--quick] [--out PATH]``.
+Measures one training step (forward + backward) and one eval forward of ``SynchronizedBatchNorm2d`` alone and
+inside ``ReplicationCallbackDataParallel(device_ids=[0])``, against ``nn.BatchNorm2d`` alone and inside
+``nn.DataParallel(device_ids=[0])``, interleaved in one process. Cross-GPU replicas need two devices: not
+measured on a one-GPU machine. Without a CUDA device it writes a report holding only a note.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benchmarks"))
+import torch
+from benchlib import Report, bench_args
+from torch import nn
+
+from pc_replicate import ReplicationCallbackDataParallel
+from pc_sync import SynchronizedBatchNorm2d
+
+
+def _train_step(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
+    module.train()
+
+    def step() -> None:
+        x.grad = None
+        module(x).backward(g)
+
+    return step
+
+
+def _timed_min(fns: dict[str, Callable[[], None]], repeat: int, number: int) -> dict[str, float]:
+    """Min over interleaved rounds of the mean time of ``number`` calls, device-synchronized."""
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            torch.cuda.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - start) / number)
+    return best
+
+
+def main() -> None:
+    args = bench_args("pc-sync")
+    report = Report("pc-sync")
+    if not torch.cuda.is_available():
+        report.note("CUDA benchmarks skipped: no CUDA device on this machine")
+        report.finish(args)
+        return
+    repeat, number = (3, 10) if args.quick else (7, 50)
+    report.note(
+        f"CUDA: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
+        f"min over {repeat} interleaved rounds of the mean of {number} calls"
+    )
+    for shape in [(32, 64, 28, 28), (64, 256, 14, 14)]:
+        label = "x".join(map(str, shape))
+        x = torch.randn(shape, device="cuda", requires_grad=True)
+        g = torch.randn(shape, device="cuda")
+        ours = SynchronizedBatchNorm2d(shape[1]).cuda()
+        plain = nn.BatchNorm2d(shape[1]).cuda()
+        ours_dp = ReplicationCallbackDataParallel(SynchronizedBatchNorm2d(shape[1]).cuda(), device_ids=[0])
+        plain_dp = nn.DataParallel(nn.BatchNorm2d(shape[1]).cuda(), device_ids=[0])
+        t = _timed_min(
+            {
+                "SyncBN2d": _train_step(ours, x, g),
+                "BatchNorm2d": _train_step(plain, x, g),
+                "SyncBN2d in ReplicationCallbackDataParallel[0]": _train_step(ours_dp, x, g),
+                "BatchNorm2d in nn.DataParallel[0]": _train_step(plain_dp, x, g),
+            },
+            repeat,
+            number,
+        )
+        case = f"(cuda) train step {label}"
+        for name, value in t.items():
+            report.row(case, name, value, baseline=(name == "BatchNorm2d"))
+        ratio = t["SyncBN2d"] / t["BatchNorm2d"]
+        report.target(f"(cuda) non-parallel train step vs BN, {label}", ratio, "<=", 1.05)
+        report.target(
+            f"(cuda) one-GPU DataParallel step vs nn.DataParallel, {label}",
+            t["SyncBN2d in ReplicationCallbackDataParallel[0]"] / t["BatchNorm2d in nn.DataParallel[0]"],
+            "<=",
+            1.1,
+        )
+        xd = x.detach()
+        evals: dict[str, Callable[[], None]] = {}
+        for name, module in (("SyncBN2d", ours), ("BatchNorm2d", plain)):
+            module.eval()
+            evals[name] = lambda m=module, inp=xd: m(inp)
+        with torch.no_grad():
+            t = _timed_min(evals, repeat, number)
+        for name, value in t.items():
+            report.row(f"(cuda) eval {label}", name, value, baseline=(name == "BatchNorm2d"))
+    if torch.cuda.device_count() < 2:
+        report.note("not measured with one GPU: cross-GPU replicas, torch.nn.SyncBatchNorm under DDP")
+    report.finish(args)
+
+
+if __name__ == "__main__":
+    main()
