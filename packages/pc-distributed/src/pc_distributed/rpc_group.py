@@ -376,7 +376,7 @@ class RpcGroup:
             gen = self._barrier_gen
             self._barrier_gen += 1
         prefix = f"rg/{self.group_name}/{self._instance}/bar"
-        store_barrier(world.store, prefix, gen, world.name, self.group_members, limit)
+        store_barrier(world.store, world.waits, prefix, gen, world.name, self.group_members, limit)
 
     def destroy(self) -> None:
         """Leave the group: remove this process's directory entries and local tables (idempotent)."""
