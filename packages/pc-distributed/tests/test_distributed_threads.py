@@ -80,7 +80,10 @@ def _while_waiting(group: pd.RpcGroup, step: str, wait: Any, claim: bool = True)
     thread.start()
     answers: Any = None
     if _GO[step].wait(_T):
-        answers = _calls(group, step, claim)
+        try:
+            answers = _calls(group, step, claim)
+        except Exception as exc:  # reported, so that each step's test fails on its own
+            answers = f"calls failed: {exc!r}"
     group.rpc_sync("0", _answers, args=(step, answers))
     thread.join(2 * _T)
     return {"answers": answers, "wait_errors": errors, "wait_returned": not thread.is_alive()}
