@@ -363,6 +363,9 @@ class RpcGroup:
     def barrier(self, timeout: float | None = None) -> None:
         """Block until every member entered this barrier (repeatable, no lost wake-ups; one thread at a time).
 
+        The wait runs on a store connection of its own, so the process's other threads keep calling,
+        looking up and registering meanwhile.
+
         Args:
             timeout: Seconds (default: the world's ``rpc_timeout``).
 

@@ -279,6 +279,8 @@ class World:
 
         Idempotent and bounded: RPC's shutdown always has a timeout (a dead peer must not hang it); a failed
         graceful shutdown warns and falls back to a non-graceful one. Afterwards a new World may be created.
+        While it waits for the other ranks, this process's other threads can still look up and call services
+        (through group handles) and answer RPCs: the wait has a store connection of its own.
 
         Args:
             timeout: Seconds for the RPC shutdown (default ``rpc_timeout``).
