@@ -28,7 +28,7 @@ import pc_distributed as pd
 from pc_distributed import _remote
 from pc_distributed._rpc_util import claim_entry
 from pc_distributed._store import arrival_key, lookup, store_barrier, wait_keys
-from pc_distributed._store_waits import WaitStores
+from pc_distributed._store_waits import StoreClosedError, WaitStores
 
 _T = 30.0  # seconds any one step may take before the check counts as failed (normally milliseconds)
 _STEPS = ("barrier", "join", "collective", "stop")
@@ -193,8 +193,10 @@ def test_a_timed_out_wait_names_the_missing_and_drops_its_connection(tcp_store: 
         store_barrier(shared, waits, "bar", 0, "a", ["a", "b"], 0.2)
     assert waits.idle_clients() == 0
     waits.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(StoreClosedError, match="closed"):
         waits.wait(["x"], 1.0)
+    with pytest.raises(StoreClosedError):  # not mistaken for a timeout of the barrier
+        store_barrier(shared, waits, "bar", 1, "a", ["a", "b"], 1.0)
 
 
 def test_waits_on_a_file_store_use_it_directly() -> None:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
+from pc_distributed._store_waits import StoreClosedError
 from pc_distributed._torch_dist import Store
 
 __all__ = ["Waiter", "arrival_key", "claim", "lookup", "release", "store_barrier", "wait_keys"]
@@ -62,6 +63,8 @@ def wait_keys(store: Store, waiter: Waiter, keys: Sequence[str], timeout: float,
     """
     try:
         waiter.wait(keys, timeout)
+    except StoreClosedError:
+        raise
     except (RuntimeError, dist.DistStoreError) as exc:
         missing = [k for k in keys if not store.check([k])]
         if not missing:  # pragma: no cover - arrived right at the deadline
@@ -106,6 +109,8 @@ def store_barrier(
         return
     try:
         waiter.wait([f"{base}/done"], timeout)
+    except StoreClosedError:
+        raise
     except (RuntimeError, dist.DistStoreError) as exc:
         if store.check([f"{base}/done"]):  # pragma: no cover - completed right at the deadline
             return

@@ -25,7 +25,11 @@ from typing import Any
 
 from pc_distributed import _torch_dist
 
-__all__ = ["WaitStores"]
+__all__ = ["StoreClosedError", "WaitStores"]
+
+
+class StoreClosedError(RuntimeError):
+    """A wait was started after the World's stores were closed (``World.stop``)."""
 
 
 class WaitStores:
@@ -50,6 +54,7 @@ class WaitStores:
         """Block until every key (relative to the prefix) exists, on a client no other thread uses.
 
         Raises:
+            StoreClosedError: If :meth:`close` was called.
             RuntimeError: The store's error (``DistStoreError`` is one) when ``timeout`` passes or the
                 connection fails; callers turn it into a ``TimeoutError`` naming what was missing.
         """
@@ -76,7 +81,7 @@ class WaitStores:
     def _borrow(self) -> Any | None:
         with self._lock:
             if self._closed:
-                raise RuntimeError("the World's store has been closed (World.stop)")
+                raise StoreClosedError("the World's store has been closed (World.stop)")
             if self._free:
                 return self._free.pop()
         client = _torch_dist.store_client(self._raw, self._timeout)
