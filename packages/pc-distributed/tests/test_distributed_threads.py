@@ -258,3 +258,41 @@ def test_a_claim_in_flight_does_not_hold_up_calls_to_other_services() -> None:
         assert _remote.call_service("threads-claim", "'new'", (2,), {}) == (_remote.OK, 3)
     finally:
         _remote.drop_tables("threads-claim")
+
+
+class _ObservedCondition(threading.Condition):
+    """A condition that reports when a thread starts waiting on it."""
+
+    def __init__(self, lock: Any) -> None:
+        super().__init__(lock)
+        self.waiting = threading.Event()
+
+    def wait_for(self, predicate: Any, timeout: float | None = None) -> Any:
+        self.waiting.set()
+        return super().wait_for(predicate, timeout)
+
+
+def test_a_call_racing_with_its_keys_claim_is_served_once_the_claim_settles() -> None:
+    tables = _remote.install_tables("threads-settle")
+    try:
+        observed = _ObservedCondition(tables.lock)
+        tables.settled = observed
+        store = _HeldStore()
+        registered = threading.Thread(
+            target=claim_entry,
+            args=(tables, _remote.SERVICE, "'new'", _plus_one, store, "dir/new", "me", "taken"),
+        )
+        registered.start()
+        assert store.entered.wait(_T)  # the claim's store request is in flight
+        result: list[Any] = []
+        caller = threading.Thread(
+            target=lambda: result.append(_remote.call_service("threads-settle", "'new'", (4,), {}))
+        )
+        caller.start()
+        assert observed.waiting.wait(_T), "the call did not wait for the claim in flight"
+        store.release.set()
+        registered.join(_T)
+        caller.join(_T)
+        assert result == [(_remote.OK, 5)]  # served by the new owner, not "missing"
+    finally:
+        _remote.drop_tables("threads-settle")
