@@ -26,14 +26,16 @@ import math
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from pc_server._batch_queue import BatchQueue
-from pc_server._group import GroupLike, call_service, check_group, check_name
+from pc_server._forward import deliver_forward, register_primary
+from pc_server._group import GroupLike, call_member, check_group, check_name
 from pc_server._packing import Packed, pack, unpack
 from pc_server._reduce import (
     Partial,
@@ -46,12 +48,14 @@ from pc_server._reduce import (
 from pc_server._state import check_model, model_snapshot, set_pp_version
 from pc_server.errors import ReducerStoppedError, ReducerTraceback
 from pc_server.grad_client import (
+    LEDGER_LEVEL,
     REDUCE_MASTER,
     REDUCE_SLAVE,
     GradMessage,
     PushPullGradServer,
     reducer_service_name,
 )
+from pc_server.ledger import GradLedger, LedgerBook
 from pc_server.ordered_server import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
 __all__ = ["GradServerStats", "PushPullGradServerImpl"]
@@ -63,11 +67,14 @@ logger = logging.getLogger(__name__)
 class GradServerStats:
     """Counters of one reducer process (a snapshot; see :meth:`PushPullGradServerImpl.stats`).
 
+    The per-client account of every push is :meth:`PushPullGradServerImpl.ledger`.
+
     Attributes:
-        received: Client pushes queued here (as a secondary).
-        duplicates: Client pushes ignored as a repeated ``(client, seq)``.
-        dropped_stale: Pushes dropped because their version was more than ``max_staleness`` behind.
-        dropped_overflow: Queue items dropped because a queue exceeded ``max_queue_size``.
+        received: Client pushes accepted (queued) here (as a secondary).
+        duplicates: Client pushes recognised as a retry of a received ``(client, seq)``.
+        dropped_stale: Pushes refused or dropped because their version was more than ``max_staleness`` behind.
+        dropped_overflow: Queue items (a push, or a forwarded bundle) dropped because a queue exceeded
+            ``max_queue_size``.
         forwarded: Partial-sum bundles sent to the primary.
         steps: Optimizer steps taken (primary).
         applied: Client pushes contained in those steps (primary).
@@ -88,10 +95,24 @@ class _Queued(NamedTuple):
     version: int
     grads: Packed
     enqueued: float
+    client: str
 
 
 class _Forward(NamedTuple):
-    partials: dict[int, tuple[Packed, int]]
+    """A secondary's bundle: version -> (packed gradient sums, push count, pushes per client)."""
+
+    partials: dict[int, tuple[Packed, int, dict[str, int]]]
+
+
+def _per_client(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: Counter[str] = Counter()
+    for c in counts:
+        total.update(c)
+    return dict(total)
+
+
+def _forward_clients(forward: _Forward) -> dict[str, int]:
+    return _per_client(clients for _sums, _n, clients in forward.partials.values())
 
 
 def _check_positive_int(what: str, value: object) -> int:
@@ -219,8 +240,10 @@ class PushPullGradServerImpl:
 
         self._lock = threading.Lock()  # guards the counters, the dedup table and the lifecycle flags
         self._stepped = threading.Condition(self._lock)  # notified after every optimizer step and on failure
-        self._stats = GradServerStats()
-        self._last_seq: dict[str, int] = {}
+        self._stats = GradServerStats()  # forwarded and steps; the push counts live in the ledger
+        self._ledger = LedgerBook()
+        self._last_seq: dict[str, tuple[int, bool]] = {}  # client -> (last seq, whether it was accepted)
+        self._inflight: dict[str, dict[str, int]] = {}  # role -> per-client pushes in the batch being reduced
         self._schema: tuple[tuple[str, ...], tuple[tuple[int, ...], ...]] | None = None
         self._known_head = 0
         self._error: BaseException | None = None
@@ -229,23 +252,32 @@ class PushPullGradServerImpl:
         self._stopped = False
         self._threads: list[threading.Thread] = []
         self._secondary_q: BatchQueue[_Queued] = BatchQueue(
-            self.max_queue_size, f"{server_name} secondary queue"
+            self.max_queue_size,
+            f"{server_name} secondary queue",
+            on_drop=lambda item: self._ledger.record("dropped_overflow", {item.client: 1}),
         )
         self._primary_q: BatchQueue[tuple[_Forward, float]] = BatchQueue(
-            self.max_queue_size, f"{server_name} primary queue"
+            self.max_queue_size,
+            f"{server_name} primary queue",
+            on_drop=lambda item: self._ledger.record("dropped_overflow", _forward_clients(item[0])),
         )
         self.model: nn.Module | None = None
         self.optimizer: Any = None
         self.lr_scheduler: Any = None
         self._version = 0
-        self._primary_service = reducer_service_name(server_name, self.primary_reducer)
-
         group.register(reducer_service_name(server_name, self._me), self._push_service)
         if self.is_primary:
+            # secondaries forward by member name through deliver_forward: no service-directory look-up
+            register_primary(group.get_group_name(), server_name, self._receive_forward)
             group.pair(
                 server_name,
                 PushPullGradServer(
-                    server_name, group, self.model_name, self.secondary_reducers, self.o_server
+                    server_name,
+                    group,
+                    self.model_name,
+                    self.secondary_reducers,
+                    self.o_server,
+                    self.primary_reducer,
                 ),
             )
 
@@ -368,9 +400,24 @@ class PushPullGradServerImpl:
         """A snapshot of this process's counters."""
         with self._lock:
             snap = dataclasses.replace(self._stats)
+        total = self._ledger.snapshot().total
+        snap.received = total.accepted
+        snap.duplicates = total.duplicates
+        snap.dropped_stale = total.refused_stale + total.dropped_stale
+        snap.applied = total.applied
         snap.dropped_overflow = self._secondary_q.dropped + self._primary_q.dropped
         snap.version = self._version if self.is_primary else self._known_head
         return snap
+
+    def ledger(self) -> GradLedger:
+        """A snapshot of this process's ledger: what became of the client pushes it handled, per client.
+
+        A secondary books what it accepted, refused and dropped; the primary what it applied and dropped.
+        Merge the ledgers of every reducer of the server (:meth:`GradLedger.merge`, or ask any client
+        accessor's :meth:`~pc_server.PushPullGradServer.ledger`); after every reducer stopped (secondaries
+        first) the merged ledger is balanced: ``accepted == applied + dropped``.
+        """
+        return self._ledger.snapshot()
 
     # ------------------------------------------------------------------ services
     def _push_service(self, payload: Any, level: int) -> Any:
@@ -380,9 +427,19 @@ class PushPullGradServerImpl:
             if not self.is_primary:
                 raise ValueError(f"{self._me!r} is not the primary reducer of {self.server_name!r}")
             forward, age = payload
-            self._primary_q.put((forward, age), age=age)
-            return self._version
+            return self._receive_forward(forward, age)
+        if level == LEDGER_LEVEL:
+            return self.ledger()
         raise ValueError(f"unknown push level {level!r}; expected REDUCE_MASTER (0) or REDUCE_SLAVE (1)")
+
+    def _receive_forward(self, forward: _Forward, age: float) -> int:
+        """Queue a secondary's bundle on the primary; return the model version (the secondary's head)."""
+        if not isinstance(forward, _Forward):
+            raise TypeError(
+                f"expected a gradient bundle from a secondary reducer, got {type(forward).__name__}"
+            )
+        self._primary_q.put((forward, age), age=age)
+        return self._version
 
     def _accept_push(self, message: Any) -> tuple[bool, int]:
         if not isinstance(message, GradMessage) or not isinstance(message.grads, Packed):
@@ -408,26 +465,34 @@ class PushPullGradServerImpl:
             # A client that computed on version v proves the head is >= v; a co-located primary knows it.
             self._known_head = max(self._known_head, message.version)
             head = self._version if self.is_primary else self._known_head
-            if message.seq <= self._last_seq.get(message.client, 0):
-                self._stats.duplicates += 1
-                return False, head
-            self._last_seq[message.client] = message.seq
+            last_seq, last_accepted = self._last_seq.get(message.client, (0, False))
+            if message.seq <= last_seq:
+                # a retry (the reply was lost): answer as the first time, never queue it twice
+                self._ledger.record("duplicates", {message.client: 1})
+                return (last_accepted if message.seq == last_seq else False), head
             if self.max_staleness is not None and head - message.version > self.max_staleness:
-                self._stats.dropped_stale += 1
+                self._last_seq[message.client] = (message.seq, False)
+                self._ledger.record("refused_stale", {message.client: 1})
                 return False, head
-            self._stats.received += 1
-        self._secondary_q.put(_Queued(message.version, message.grads, time.monotonic()))
+        # one client pushes one message at a time, so nothing else can book this (client, seq) meanwhile
+        self._secondary_q.put(_Queued(message.version, message.grads, time.monotonic(), message.client))
+        with self._lock:
+            self._last_seq[message.client] = (message.seq, True)
+        self._ledger.record("accepted", {message.client: 1})
         return True, head
 
     # ------------------------------------------------------------------ reducer threads
     def _spawn(self, role: str, loop: Callable[[], None]) -> threading.Thread:
         thread = threading.Thread(
-            target=self._run_guarded, args=(loop,), name=f"pc-server {self.server_name} {role}", daemon=True
+            target=self._run_guarded,
+            args=(loop, role),
+            name=f"pc-server {self.server_name} {role}",
+            daemon=True,
         )
         thread.start()
         return thread
 
-    def _run_guarded(self, loop: Callable[[], None]) -> None:
+    def _run_guarded(self, loop: Callable[[], None], role: str) -> None:
         try:
             loop()
         except BaseException as exc:  # reported through watch()
@@ -438,61 +503,97 @@ class PushPullGradServerImpl:
             logger.error("gradient server %r: reducer on %r failed: %r", self.server_name, self._me, exc)
             self._secondary_q.close()
             self._primary_q.close()
+            # account for what the failed thread held or would have reduced: nothing is lost silently
+            lost = [self._inflight.pop(role, {})]
+            if role == "secondary":
+                lost += [{item.client: 1} for item in self._secondary_q.drain()]
+            else:
+                lost += [_forward_clients(fwd) for fwd, _age in self._primary_q.drain()]
+            self._ledger.record("dropped_error", _per_client(lost))
 
     def _secondary_loop(self) -> None:
         while True:
             batch = self._secondary_q.get_batch(self.reduce_batch_size, self.flush_timeout)
             if batch is None:
                 return
+            clients: dict[int, Counter[str]] = {}
+            for item in batch:
+                clients.setdefault(item.version, Counter())[item.client] += 1
+            self._inflight["secondary"] = _per_client(clients.values())
             oldest = min(item.enqueued for item in batch)
             groups = reduce_pushes(((it.version, unpack(it.grads, self.reduce_device)) for it in batch), None)
             head = self._version if self.is_primary else self._known_head
-            groups, dropped = drop_stale(groups, head, self.max_staleness)
-            if dropped:
-                with self._lock:
-                    self._stats.dropped_stale += dropped
-            if not groups:
+            kept, _dropped = drop_stale(groups, head, self.max_staleness)
+            self._ledger.record("dropped_stale", _per_client(clients[v] for v in groups if v not in kept))
+            if not kept:
+                self._inflight.pop("secondary", None)
                 continue
-            forward = _Forward({v: (pack(p.sums), p.pushes) for v, p in groups.items()})
+            forward = _Forward({v: (pack(p.sums), p.pushes, dict(clients[v])) for v, p in kept.items()})
             age = time.monotonic() - oldest
             try:
-                head = call_service(
-                    self.group, self._primary_service, ((forward, age), REDUCE_MASTER), self.server_name
+                head = self._forward(forward, age)
+            except (ReducerStoppedError, ConnectionError, KeyError) as exc:
+                if not self._secondary_q.closed:
+                    raise
+                # shutting down and the primary is gone or stopped first: booked, and said out loud
+                n = self._ledger.record("dropped_shutdown", _forward_clients(forward))
+                self._inflight.pop("secondary", None)
+                logger.warning(
+                    "gradient server %r: the primary %r stopped before the secondary %r; dropping a final "
+                    "bundle of %d pushes (%r). Stop the secondaries before the primary.",
+                    self.server_name,
+                    self.primary_reducer,
+                    self._me,
+                    n,
+                    exc,
                 )
-            except ReducerStoppedError:
-                if self._secondary_q.closed:  # shutting down: the primary stopped first
-                    logger.warning(
-                        "gradient server %r: primary stopped; dropping a final bundle", self.server_name
-                    )
-                    continue
-                raise
+                continue
+            self._inflight.pop("secondary", None)
             with self._lock:
                 self._stats.forwarded += 1
                 self._known_head = max(self._known_head, int(head))
+
+    def _forward(self, forward: _Forward, age: float) -> int:
+        """Send a bundle to the primary: a direct call when co-located, else one RPC addressed by name."""
+        if self.is_primary:
+            return self._receive_forward(forward, age)
+        return int(
+            call_member(
+                self.group,
+                self.primary_reducer,
+                deliver_forward,
+                (self.group.get_group_name(), self.server_name, forward, age),
+                self.server_name,
+            )
+        )
 
     def _primary_loop(self) -> None:
         while True:
             batch = self._primary_q.get_batch(self.reduce_batch_size, self.flush_timeout)
             if batch is None:
                 return
-            parts = [
-                {
-                    v: Partial(unpack(packed, self.reduce_device), count)
-                    for v, (packed, count) in fwd.partials.items()
-                }
-                for fwd, _age in batch
-            ]
-            groups, dropped = drop_stale(merge_partials(parts, None), self._version, self.max_staleness)
-            if dropped:
-                with self._lock:
-                    self._stats.dropped_stale += dropped
-            if not groups:
+            clients: dict[int, list[dict[str, int]]] = {}
+            parts = []
+            for fwd, _age in batch:
+                part = {}
+                for v, (packed, count, per_client) in fwd.partials.items():
+                    part[v] = Partial(unpack(packed, self.reduce_device), count)
+                    clients.setdefault(v, []).append(per_client)
+                parts.append(part)
+            self._inflight["primary"] = _per_client(c for cs in clients.values() for c in cs)
+            groups = merge_partials(parts, None)
+            kept, _dropped = drop_stale(groups, self._version, self.max_staleness)
+            stale = [c for v, cs in clients.items() if v not in kept for c in cs]
+            self._ledger.record("dropped_stale", _per_client(stale))
+            if not kept:
+                self._inflight.pop("primary", None)
                 continue
-            grads, count = finalize(groups, self.reduce_method)
+            grads, _count = finalize(kept, self.reduce_method)
             self._step(grads)
+            self._ledger.record("applied", _per_client(c for v in kept for c in clients[v]))
+            self._inflight.pop("primary", None)
             with self._stepped:
                 self._stats.steps += 1
-                self._stats.applied += count
                 self._stepped.notify_all()
 
     def _step(self, grads: dict[str, torch.Tensor]) -> None:
