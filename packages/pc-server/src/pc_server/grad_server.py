@@ -495,10 +495,11 @@ class PushPullGradServerImpl:
     def _run_guarded(self, loop: Callable[[], None], role: str) -> None:
         try:
             loop()
-        except BaseException as exc:  # reported through watch()
-            self._error_text = traceback.format_exc()
+        except BaseException as exc:  # reported through watch(): the first failure of this process
             with self._stepped:
-                self._error = exc
+                if self._error is None:
+                    self._error_text = traceback.format_exc()
+                    self._error = exc
                 self._stepped.notify_all()
             logger.error("gradient server %r: reducer on %r failed: %r", self.server_name, self._me, exc)
             self._secondary_q.close()
@@ -533,8 +534,8 @@ class PushPullGradServerImpl:
             try:
                 head = self._forward(forward, age)
             except (ReducerStoppedError, ConnectionError, KeyError) as exc:
-                if not self._secondary_q.closed:
-                    raise
+                if self._error is not None or not self._secondary_q.closed:
+                    raise  # a failure (the co-located primary's, or the transport's): booked as dropped_error
                 # shutting down and the primary is gone or stopped first: booked, and said out loud
                 n = self._ledger.record("dropped_shutdown", _forward_clients(forward))
                 self._inflight.pop("secondary", None)
