@@ -26,7 +26,7 @@ WAIT = 20.0
 def impls() -> Iterator[list[PushPullGradServerImpl]]:
     created: list[PushPullGradServerImpl] = []
     yield created
-    for impl in created:
+    for impl in reversed(created):  # secondaries first, the primary ("0", built first) last
         impl.stop(timeout=WAIT)
 
 
@@ -277,7 +277,7 @@ def test_constructor_validation(hub3: Hub) -> None:
         prim.manage_model(ThreeLayer(), object())
     prim.manage_model(ThreeLayer(), PlainSGD([]))
     prim.start()
-    prim.stop(timeout=WAIT)
-    prim.stop(timeout=WAIT)  # idempotent
+    prim.stop(timeout=WAIT, secondaries_timeout=0)  # its secondary "1" never existed: do not wait for it
+    prim.stop(timeout=WAIT, secondaries_timeout=0)  # idempotent
     with pytest.raises(ReducerStoppedError):
         prim.start()

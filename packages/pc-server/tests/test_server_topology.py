@@ -7,6 +7,7 @@ test_server_topology_world.py.
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -113,7 +114,8 @@ def test_issue14_primary_stopped_first_books_dropped_at_shutdown(caplog: pytest.
     client.set_seed(1)  # start on '1'
     assert client.next_secondary() == "1"
     assert _push_same_grads(client, 2) == [True] * 2  # '1' and '0' hold one each
-    impls["0"].stop(timeout=WAIT)  # the wrong order: the primary first (it drains its own secondary)
+    # the wrong order, without waiting for '1': the primary first (it drains its own secondary)
+    impls["0"].stop(timeout=WAIT, secondaries_timeout=0)
     with caplog.at_level(logging.WARNING, logger="pc_server.grad_server"):
         impls["1"].stop(timeout=WAIT)
     assert "dropping a final bundle of 1 pushes" in caplog.text
@@ -194,3 +196,45 @@ def test_secondary_built_and_started_before_its_primary_still_forwards() -> None
         build_order=("s1", "p"),
     )
     check_case(case, run_case_in_process(case, Hub(["p", "s1", "c1"])))
+
+
+def test_primary_stop_waits_for_the_other_secondaries_so_concurrent_stops_lose_nothing() -> None:
+    """Every reducer calls stop() concurrently (as ServerTuple.stop in each process does): the primary waits
+    for the other secondary's final message, so its partial batch is applied, not dropped."""
+    hub, impls, model = _regression_hub(flush_timeout=None)  # partial batches wait for stop()
+    client = hub.group("2").get_paired(REGRESSION.name).to_here()
+    client.set_seed(1)
+    assert _push_same_grads(client, 2) == [True] * 2  # '1' and '0' hold a partial batch each
+    primary_stop = threading.Thread(target=impls["0"].stop, kwargs={"timeout": WAIT})
+    primary_stop.start()  # the primary's stop() first: it must wait for '1'
+    primary_stop.join(0.2)
+    assert (
+        primary_stop.is_alive()
+    )  # waiting for the secondary's final message (bounded by secondaries_timeout)
+    impls["1"].stop(timeout=WAIT)
+    primary_stop.join(WAIT)
+    assert not primary_stop.is_alive()
+    ledger = client.ledger()
+    assert ledger.balanced()
+    assert (ledger.total.accepted, ledger.total.applied, ledger.total.dropped) == (2, 2, 0)
+    assert model.weights() == (1.0 - 12.0, 2.0 - 6.0, 3.0 - 4.0)
+
+
+def test_pushes_queued_on_a_never_started_secondary_are_booked(caplog: pytest.LogCaptureFixture) -> None:
+    hub = Hub(["p", "s", "c"])
+    primary = PushPullGradServerImpl("ns", hub.group("p"), primary_reducer="p", secondary_reducers=["s"])  # type: ignore[arg-type]
+    secondary = PushPullGradServerImpl("ns", hub.group("s"), primary_reducer="p", secondary_reducers=["s"])  # type: ignore[arg-type]
+    model = OneHot(2)
+    primary.manage_model(model, RecordingSGD(model.parameters()))
+    primary.start()
+    client = hub.group("c").get_paired("ns").to_here()
+    pushes = OneHot(2)
+    pushes.w.grad = torch.ones(2, dtype=torch.float64)
+    assert client.push(pushes) is True  # queued on "s", whose reducer never runs
+    with caplog.at_level(logging.WARNING, logger="pc_server.grad_server"):
+        secondary.stop(timeout=WAIT)
+    assert "never started" in caplog.text
+    primary.stop(timeout=WAIT)
+    ledger = client.ledger()
+    assert ledger.balanced()
+    assert (ledger.total.accepted, ledger.total.dropped_shutdown, ledger.total.applied) == (1, 1, 0)

@@ -104,6 +104,12 @@ class _Forward(NamedTuple):
     partials: dict[int, tuple[Packed, int, dict[str, int]]]
 
 
+class _Done(NamedTuple):
+    """A secondary's last message from ``stop()``: it forwarded everything it held."""
+
+    member: str
+
+
 def _per_client(counts: Iterable[dict[str, int]]) -> dict[str, int]:
     total: Counter[str] = Counter()
     for c in counts:
@@ -243,7 +249,9 @@ class PushPullGradServerImpl:
         self._stats = GradServerStats()  # forwarded and steps; the push counts live in the ledger
         self._ledger = LedgerBook()
         self._last_seq: dict[str, tuple[int, bool]] = {}  # client -> (last seq, whether it was accepted)
-        self._inflight: dict[str, dict[str, int]] = {}  # role -> per-client pushes in the batch being reduced
+        # role -> per-client pushes in the batch being reduced (booked as dropped_error if the thread fails)
+        self._inflight: dict[str, dict[str, int]] = {}
+        self._done_secondaries: set[str] = set()  # on the primary: secondaries whose stop() finished
         self._schema: tuple[tuple[str, ...], tuple[tuple[int, ...], ...]] | None = None
         self._known_head = 0
         self._error: BaseException | None = None
@@ -342,29 +350,81 @@ class PushPullGradServerImpl:
             if self.is_primary:
                 self._threads.append(self._spawn("primary", self._primary_loop))
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float | None = None, *, secondaries_timeout: float = 10.0) -> None:
         """Stop accepting pushes, reduce what is queued, and join the reducer threads (idempotent).
 
-        The secondary drains first (forwarding its partial sums), then the primary (applying them).
+        The secondary drains first (forwarding its partial sums) and then tells the primary it is done; the
+        primary waits up to ``secondaries_timeout`` seconds for every other secondary to be done before it
+        drains and applies what it holds. So every reducer may call ``stop()`` at the same time; a secondary
+        that stops later than that finds the primary gone and books its last pushes as ``dropped_shutdown``
+        in the :meth:`ledger` (with a warning).
 
         Args:
             timeout: Seconds to wait for each thread; ``None`` waits until they finish draining.
+            secondaries_timeout: On the primary, seconds to wait for the other secondaries to finish
+                (woken by each one's final message); ``0`` does not wait.
 
         Raises:
             TimeoutError: A reducer thread did not finish within ``timeout`` (named in the message).
         """
         with self._lock:
             self._stopped = True
-        for queue, thread_role in ((self._secondary_q, "secondary"), (self._primary_q, "primary")):
-            queue.close()
-            for thread in self._threads:
-                if thread.name.endswith(thread_role):
-                    thread.join(timeout)
-                    if thread.is_alive():
-                        raise TimeoutError(
-                            f"gradient server {self.server_name!r}: the {thread_role} reducer on "
-                            f"{self._me!r} did not stop within {timeout} s"
-                        )
+        self._stop_role(self._secondary_q, "secondary", timeout)
+        if self.is_secondary and not self.is_primary:
+            self._say_done()
+        if self.is_primary:
+            self._wait_for_secondaries(secondaries_timeout)
+        self._stop_role(self._primary_q, "primary", timeout)
+
+    def _stop_role(self, queue: BatchQueue[Any], role: str, timeout: float | None) -> None:
+        queue.close()
+        threads = [t for t in self._threads if t.name.endswith(role)]
+        for thread in threads:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(
+                    f"gradient server {self.server_name!r}: the {role} reducer on {self._me!r} did not stop "
+                    f"within {timeout} s"
+                )
+        if not threads:  # never started: nothing will reduce what was queued; book it
+            left = queue.drain()
+            clients = [
+                {item.client: 1} if isinstance(item, _Queued) else _forward_clients(item[0]) for item in left
+            ]
+            n = self._ledger.record("dropped_shutdown", _per_client(clients))
+            if n:
+                logger.warning(
+                    "gradient server %r: the %s reducer on %r was never started; dropping %d queued pushes",
+                    self.server_name,
+                    role,
+                    self._me,
+                    n,
+                )
+
+    def _say_done(self) -> None:
+        """Tell the primary this secondary forwarded everything (it may stop now)."""
+        try:
+            self._forward(_Done(self._me), 0.0)  # type: ignore[arg-type]
+        except (ReducerStoppedError, ConnectionError, TimeoutError, KeyError) as exc:
+            logger.debug(
+                "gradient server %r: primary not told %r is done: %r", self.server_name, self._me, exc
+            )
+
+    def _wait_for_secondaries(self, timeout: float) -> None:
+        others = set(self.secondary_reducers) - {self._me}
+        with self._stepped:
+            done = self._stepped.wait_for(
+                lambda: others <= self._done_secondaries or self._error is not None, timeout
+            )
+            missing = sorted(others - self._done_secondaries)
+        if not done:
+            logger.warning(
+                "gradient server %r: secondaries %s did not stop within %s s of the primary; pushes they "
+                "still hold will be dropped at shutdown (booked in their ledgers)",
+                self.server_name,
+                missing,
+                timeout,
+            )
 
     def watch(self) -> None:
         """Re-raise a reducer thread's error (original type, the thread's traceback as ``__cause__``).
@@ -432,8 +492,13 @@ class PushPullGradServerImpl:
             return self.ledger()
         raise ValueError(f"unknown push level {level!r}; expected REDUCE_MASTER (0) or REDUCE_SLAVE (1)")
 
-    def _receive_forward(self, forward: _Forward, age: float) -> int:
+    def _receive_forward(self, forward: _Forward | _Done, age: float) -> int:
         """Queue a secondary's bundle on the primary; return the model version (the secondary's head)."""
+        if isinstance(forward, _Done):
+            with self._stepped:
+                self._done_secondaries.add(forward.member)
+                self._stepped.notify_all()
+            return self._version
         if not isinstance(forward, _Forward):
             raise TypeError(
                 f"expected a gradient bundle from a secondary reducer, got {type(forward).__name__}"
