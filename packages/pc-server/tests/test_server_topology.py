@@ -6,6 +6,7 @@ test_server_topology_world.py.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -238,3 +239,27 @@ def test_pushes_queued_on_a_never_started_secondary_are_booked(caplog: pytest.Lo
     ledger = client.ledger()
     assert ledger.balanced()
     assert (ledger.total.accepted, ledger.total.dropped_shutdown, ledger.total.applied) == (1, 1, 0)
+
+
+def test_colocated_forward_is_a_direct_call_and_the_config_is_frozen() -> None:
+    hub = Hub(["0", "1"])
+    impl = PushPullGradServerImpl(
+        "co",
+        hub.group("0"),  # type: ignore[arg-type]
+        secondary_reducers=["0"],
+        reduce_batch_size=1,
+        flush_timeout=None,
+    )
+    model = ThreeLayer()
+    impl.manage_model(model, PlainSGD(model.parameters()))
+    impl.start()
+    client = hub.group("1").get_paired("co").to_here()
+    assert _push_same_grads(client, 2) == [True, True]
+    assert impl.wait_for_version(2, WAIT)
+    impl.stop(timeout=WAIT)
+    assert not [c for c in hub.calls if c.startswith("rpc_sync")]  # no RPC from the reducer to itself
+    assert hub.calls.count("co/0/_push_service") == 2  # the client's two pushes, nothing else
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        impl.config.reduce_batch_size = 3  # type: ignore[misc]
+    assert impl.config.is_primary
+    assert impl.config.other_secondaries == frozenset()
