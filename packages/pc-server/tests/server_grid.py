@@ -288,10 +288,8 @@ def _regression_client(group: Any) -> dict[str, Any]:
 def grid_world(rank: int, cases: list[Case]) -> dict[str, Any]:
     """Every case of ``cases`` plus the issue-14 regression in one world; returns this rank's observations.
 
-    Reducer processes wait for the clients on a condition fed by RPC notices, not in ``group.barrier()``: a
-    thread parked in a barrier stalls the process's other store traffic (pc-distributed issue 22). The
-    barrier variant of the reported pattern is covered once issue 22 lands. The only barriers here run while
-    no reducer thread exists yet or after every reducer stopped.
+    Reducer processes wait for the clients on a condition fed by RPC notices; :func:`barrier_world` runs the
+    reported pattern with the reducer processes parked in ``group.barrier()`` instead.
     """
     torch.set_num_threads(1)
     from server_models import PlainSGD, ThreeLayer
@@ -379,3 +377,41 @@ def world_outcome(results: list[dict[str, Any]], case: Case) -> dict[str, Any]:
         "final": primary["final"][case.name],
         "ledger": GradLedger.merge(results[int(r)]["ledgers"][case.name] for r in case.reducers),
     }
+
+
+def barrier_world(rank: int) -> dict[str, Any]:
+    """The issue-14 report as a user writes it: reducers '0', '1' wait in ``group.barrier()`` while '2' pushes.
+
+    Before pc-distributed's issue 22 was fixed, the waiting main thread held the process's store client, so
+    secondary '1' could not look up the primary and forwarded nothing until the barrier released.
+    """
+    torch.set_num_threads(1)
+    from server_models import PlainSGD, ThreeLayer
+
+    from pc_distributed import get_world
+
+    world = get_world()
+    assert world is not None
+    me = str(rank)
+    group = world.create_rpc_group("parked", ["0", "1", "2"])
+    impl = None
+    model = None
+    if me in REGRESSION.reducers:
+        impl = PushPullGradServerImpl(REGRESSION.name, group, **REGRESSION.server_kwargs())
+        if me == REGRESSION.primary:
+            model = ThreeLayer()
+            impl.manage_model(model, PlainSGD(model.parameters()))
+        impl.start()
+    group.barrier(WAIT_S)  # every reducer is paired
+    out: dict[str, Any] = {}
+    if me in REGRESSION.clients:
+        out["regression"] = _regression_client(group)
+    group.barrier(WAIT_S)  # reducers park here while the client pushes and polls
+    if impl is not None:
+        impl.stop(timeout=WAIT_S)  # all at once: the primary waits for the other secondary to drain
+        impl.watch()
+        out["ledger"] = impl.ledger()
+        if model is not None:
+            out["final"] = model.weights()
+    group.barrier(WAIT_S)
+    return out
