@@ -265,7 +265,7 @@ REGRESSION = Case(
 """The reported topology: reducers '0' and '1', primary '0', client '2' pushing the same gradients 7 times."""
 
 
-def _regression_client(group: Any) -> dict[str, Any]:
+def regression_client(group: Any) -> dict[str, Any]:
     from server_models import ThreeLayer
 
     gs = group.get_paired(REGRESSION.name).to_here()
@@ -326,7 +326,7 @@ def grid_world(rank: int, cases: list[Case]) -> dict[str, Any]:
     client_procs = sorted({c for case in everything for c in case.clients})
     if me in client_procs:
         if me in REGRESSION.clients:
-            out["regression"] = _regression_client(group)
+            out["regression"] = regression_client(group)
         for case in cases:
             if me in case.clients:
                 index = case.clients.index(me)
@@ -377,41 +377,3 @@ def world_outcome(results: list[dict[str, Any]], case: Case) -> dict[str, Any]:
         "final": primary["final"][case.name],
         "ledger": GradLedger.merge(results[int(r)]["ledgers"][case.name] for r in case.reducers),
     }
-
-
-def barrier_world(rank: int) -> dict[str, Any]:
-    """The issue-14 report as a user writes it: reducers '0', '1' wait in ``group.barrier()`` while '2' pushes.
-
-    Before pc-distributed's issue 22 was fixed, the waiting main thread held the process's store client, so
-    secondary '1' could not look up the primary and forwarded nothing until the barrier released.
-    """
-    torch.set_num_threads(1)
-    from server_models import PlainSGD, ThreeLayer
-
-    from pc_distributed import get_world
-
-    world = get_world()
-    assert world is not None
-    me = str(rank)
-    group = world.create_rpc_group("parked", ["0", "1", "2"])
-    impl = None
-    model = None
-    if me in REGRESSION.reducers:
-        impl = PushPullGradServerImpl(REGRESSION.name, group, **REGRESSION.server_kwargs())
-        if me == REGRESSION.primary:
-            model = ThreeLayer()
-            impl.manage_model(model, PlainSGD(model.parameters()))
-        impl.start()
-    group.barrier(WAIT_S)  # every reducer is paired
-    out: dict[str, Any] = {}
-    if me in REGRESSION.clients:
-        out["regression"] = _regression_client(group)
-    group.barrier(WAIT_S)  # reducers park here while the client pushes and polls
-    if impl is not None:
-        impl.stop(timeout=WAIT_S)  # all at once: the primary waits for the other secondary to drain
-        impl.watch()
-        out["ledger"] = impl.ledger()
-        if model is not None:
-            out["final"] = model.weights()
-    group.barrier(WAIT_S)
-    return out

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from server_grid import REGRESSION, barrier_world, check_case, generate_cases, grid_world, world_outcome
+from server_grid import REGRESSION, check_case, generate_cases, grid_world, world_outcome
+from server_parked import barrier_world
 
 pc_distributed = pytest.importorskip("pc_distributed")
 
