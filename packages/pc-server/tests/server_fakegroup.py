@@ -25,6 +25,11 @@ class Hub:
         self.services: dict[str, tuple[str, Callable[..., Any]]] = {}
         self.paired: dict[str, tuple[str, bytes]] = {}
         self.dead: set[str] = set()
+        # members whose service-directory look-ups stall (as while their main thread waits in
+        # RpcGroup.barrier(), pc-distributed issue 22): registered_sync from them times out
+        self.stalled_directory: set[str] = set()
+        # service keys whose next call runs the service and then loses the reply (a transient transport error)
+        self.lose_reply: set[str] = set()
         self.calls: list[str] = []
         self.lock = threading.Lock()
 
@@ -60,6 +65,9 @@ class FakeGroup:
     def __reduce__(self) -> Any:
         return (_rebuild, (self.hub.id,))
 
+    def get_group_name(self) -> str:
+        return f"fakehub{self.hub.id}"
+
     def get_group_members(self) -> list[str]:
         return list(self.hub.members)
 
@@ -91,13 +99,37 @@ class FakeGroup:
     def registered_sync(
         self, key: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        if self.name in self.hub.stalled_directory:
+            raise TimeoutError(f"directory look-up of {key!r} from {self.name!r} stalled")
         if key not in self.hub.services:
             raise KeyError(f"Service with key {key} not found on Group")
         owner, fn = self.hub.services[key]
+        self.hub.calls.append(key)
+        result = self._run(owner, fn, args, kwargs)
+        with self.hub.lock:
+            lost = key in self.hub.lose_reply
+            self.hub.lose_reply.discard(key)
+        if lost:
+            raise ConnectionError(f"reply of {key!r} from {owner!r} lost in transport")
+        return result
+
+    def rpc_sync(
+        self,
+        to: str,
+        func: Callable[..., Any],
+        timeout: float = -1,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if to not in self.hub.members:
+            raise ValueError(f"RPC target {to!r} is not a member")
+        self.hub.calls.append(f"rpc_sync:{to}:{getattr(func, '__name__', func)}")
+        return self._run(to, func, args, kwargs)
+
+    def _run(self, owner: str, fn: Callable[..., Any], args: Any, kwargs: dict[str, Any] | None) -> Any:
         if owner in self.hub.dead:
             raise ConnectionError(f"worker {owner!r} is dead")
-        self.hub.calls.append(key)
-        data = pickle.dumps((args, kwargs or {}))
+        data = pickle.dumps((tuple(args), kwargs or {}))
         a, kw = _as(owner, lambda: pickle.loads(data))
-        result = fn(*a, **kw)
+        result = _as(owner, lambda: fn(*a, **kw))
         return _as(self.name, lambda: pickle.loads(pickle.dumps(result)))

@@ -26,7 +26,7 @@ WAIT = 20.0
 def impls() -> Iterator[list[PushPullGradServerImpl]]:
     created: list[PushPullGradServerImpl] = []
     yield created
-    for impl in created:
+    for impl in reversed(created):  # secondaries first, the primary ("0", built first) last
         impl.stop(timeout=WAIT)
 
 
@@ -205,9 +205,14 @@ def test_duplicates_ignored_and_schema_checked(hub3: Hub, impls: list[PushPullGr
     )
     msg = GradMessage(grads, "c", 1, 0)
     assert service(msg, REDUCE_SLAVE) == (True, 0)
-    assert service(msg, REDUCE_SLAVE) == (False, 0)
-    assert impls[0].stats().duplicates == 1
-    bad = GradMessage(pack({"fc1.weight": torch.ones(2)}), "c", 2, 0)
+    assert service(msg, REDUCE_SLAVE) == (True, 0)  # a retry is answered as the first time, not queued again
+    newer = GradMessage(grads, "c", 2, 0)
+    assert service(newer, REDUCE_SLAVE) == (True, 0)
+    assert service(msg, REDUCE_SLAVE) == (False, 0)  # an older seq: refused
+    assert impls[0].stats().duplicates == 2
+    assert impls[0].stats().received == 2
+    assert impls[0].ledger().clients["c"].accepted == 2
+    bad = GradMessage(pack({"fc1.weight": torch.ones(2)}), "c", 3, 0)
     with pytest.raises(ValueError, match="differ from the first push"):
         service(bad, REDUCE_SLAVE)
     with pytest.raises(TypeError, match="GradMessage"):
@@ -272,7 +277,7 @@ def test_constructor_validation(hub3: Hub) -> None:
         prim.manage_model(ThreeLayer(), object())
     prim.manage_model(ThreeLayer(), PlainSGD([]))
     prim.start()
-    prim.stop(timeout=WAIT)
-    prim.stop(timeout=WAIT)  # idempotent
+    prim.stop(timeout=WAIT, secondaries_timeout=0)  # its secondary "1" never existed: do not wait for it
+    prim.stop(timeout=WAIT, secondaries_timeout=0)  # idempotent
     with pytest.raises(ReducerStoppedError):
         prim.start()

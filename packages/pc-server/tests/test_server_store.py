@@ -185,3 +185,14 @@ def test_accessor_roundtrip_and_errors(hub3: Hub) -> None:
     hub3.dead.add("0")
     with pytest.raises(ConnectionError, match="server 'kv' is unreachable"):
         client.pull("a")
+
+
+def test_push_snapshot_stores_the_object_itself_and_keeps_cas(hub3: Hub) -> None:
+    """The public snapshot push (used by the gradient server's publish) keeps the caller's private object."""
+    impl = OrderedServerSimpleImpl("snap", hub3.group("0"))
+    mine = torch.zeros(2)
+    assert impl.push_snapshot("k", mine, 1, None) is True
+    mine.add_(7)  # the caller promised not to do this; it shows the store kept this very object (no copy)
+    assert impl.pull("k")[0].tolist() == [7.0, 7.0]
+    assert impl.push_snapshot("k", torch.ones(2), 3, 2) is False  # compare-and-set as for push
+    assert impl.push_snapshot("k", torch.ones(2), 2, 1) is True

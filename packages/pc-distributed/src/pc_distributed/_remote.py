@@ -26,6 +26,9 @@ __all__ = [
     "ERR",
     "MISSING",
     "OK",
+    "SERVICE",
+    "SETTLE_TIMEOUT",
+    "VALUE",
     "GroupTables",
     "MissingOnOwner",
     "call_func",
@@ -41,6 +44,12 @@ OK = 0
 ERR = 1
 MISSING = 2
 
+VALUE = "value"
+SERVICE = "service"
+# Longest time an RPC target waits for a claim or release of its own key that is in flight (one store request;
+# normally well under a millisecond). After it, the key counts as missing.
+SETTLE_TIMEOUT = 60.0
+
 Envelope = tuple[Any, ...]
 
 
@@ -50,11 +59,25 @@ class MissingOnOwner(LookupError):  # noqa: N818 - an internal signal, never rai
 
 @dataclass
 class GroupTables:
-    """This process's paired values and services of one RPC group, behind a lock."""
+    """This process's paired values and services of one RPC group, behind a lock.
+
+    The lock is never held across a store request: a key whose directory claim or release is in flight is in
+    ``pending`` (as ``(kind, key)``), and ``settled`` (a condition on ``lock``) is notified when it leaves.
+    """
 
     values: dict[str, Any] = field(default_factory=dict)
     services: dict[str, Callable[..., Any]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: set[tuple[str, str]] = field(default_factory=set)
+    settled: threading.Condition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.settled = threading.Condition(self.lock)
+
+    def wait_settled(self, kind: str, key: str) -> None:
+        """With ``lock`` held: wait (at most ``SETTLE_TIMEOUT``) while ``key`` is claimed or released."""
+        if (kind, key) in self.pending:
+            self.settled.wait_for(lambda: (kind, key) not in self.pending, timeout=SETTLE_TIMEOUT)
 
 
 _TABLES: dict[str, GroupTables] = {}
@@ -92,7 +115,8 @@ def call_service(group: str, key: str, args: tuple[Any, ...], kwargs: dict[str, 
     if tables is None:
         return (MISSING,)
     with tables.lock:
-        service = tables.services.get(key)
+        tables.wait_settled(SERVICE, key)  # only a call racing with this very key's (de)registration waits
+        service = None if (SERVICE, key) in tables.pending else tables.services.get(key)
     if service is None:
         return (MISSING,)
     return _run(service, args, kwargs)
@@ -104,7 +128,8 @@ def paired_value(group: str, key: str) -> Envelope:
     if tables is None:
         return (MISSING,)
     with tables.lock:
-        if key not in tables.values:
+        tables.wait_settled(VALUE, key)
+        if key not in tables.values or (VALUE, key) in tables.pending:
             return (MISSING,)
         return (OK, tables.values[key])
 

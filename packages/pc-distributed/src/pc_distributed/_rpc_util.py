@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pc_distributed._remote import GroupTables
+from pc_distributed._remote import SERVICE, VALUE, GroupTables
 from pc_distributed._store import claim, release, wait_keys
 
 if TYPE_CHECKING:
@@ -29,8 +29,6 @@ __all__ = [
     "with_cause",
 ]
 
-VALUE = "value"
-SERVICE = "service"
 _CONNECTION_WORDS = (
     "connection",
     "pipe",
@@ -115,6 +113,7 @@ def join_group(
     try:
         wait_keys(
             world.store,
+            world.waits,
             [f"{prefix}/{n}" for n in names],
             timeout,
             f"create_rpc_group({group_name!r})",
@@ -157,37 +156,52 @@ def claim_entry(
 ) -> None:
     """Put ``obj`` in this process's table and claim ``dir_key`` in the store; undo and raise if taken.
 
-    The table entry comes first, so the directory never names an owner that lacks the object.
+    The table entry comes first, so the directory never names an owner that lacks the object. The table lock
+    is not held across the store request (other threads' calls and registrations go on meanwhile); the key is
+    marked pending instead, and a call for this very key waits until the claim settled.
 
     Raises:
         KeyError: ``taken``, if this process or another one holds the key.
     """
     table: dict[str, Any] = tables.values if kind == VALUE else tables.services
     with tables.lock:
-        if ktext in table:
+        if ktext in table or (kind, ktext) in tables.pending:
             raise KeyError(taken)
         table[ktext] = obj
-        try:
-            won = claim(store, dir_key, me) == me
-        except BaseException:
-            del table[ktext]
-            raise
-        if not won:
-            del table[ktext]
-            raise KeyError(taken)
+        tables.pending.add((kind, ktext))
+    won = False
+    try:
+        won = claim(store, dir_key, me) == me
+    finally:
+        with tables.lock:
+            tables.pending.discard((kind, ktext))
+            if not won:
+                del table[ktext]
+            tables.settled.notify_all()
+    if not won:
+        raise KeyError(taken)
 
 
 def release_entry(
     tables: GroupTables, kind: str, ktext: str, store: Any, dir_key: str, me: str, not_owner: str
 ) -> None:
-    """Remove this process's entry and its directory key.
+    """Remove this process's entry and its directory key (the table lock is not held across the store).
 
     Raises:
         KeyError: ``not_owner``, if this process does not hold the key.
     """
     table: dict[str, Any] = tables.values if kind == VALUE else tables.services
     with tables.lock:
-        if ktext not in table:
+        if ktext not in table or (kind, ktext) in tables.pending:
             raise KeyError(not_owner)
+        tables.pending.add((kind, ktext))
+    released = False
+    try:
         release(store, dir_key, me)
-        del table[ktext]
+        released = True
+    finally:
+        with tables.lock:
+            tables.pending.discard((kind, ktext))
+            if released:
+                del table[ktext]
+            tables.settled.notify_all()

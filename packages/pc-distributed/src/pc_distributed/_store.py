@@ -1,19 +1,29 @@
 """Small operations on a torch.distributed ``Store``: atomic claims, look-ups, timed waits and a barrier.
 
 The directory of an :class:`~pc_distributed.RpcGroup` and all barriers live here. Only the store is used (no
-RPC threads), so nothing ever nests an RPC inside an RPC handler.
+RPC threads), so nothing ever nests an RPC inside an RPC handler. Short requests go through the World's shared
+client; every blocking wait goes through :class:`~pc_distributed._store_waits.WaitStores` (a connection of
+its own), so that a thread waiting here never stalls another thread's requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
+from typing import Protocol
 
 import torch.distributed as dist
 
+from pc_distributed._store_waits import StoreClosedError
 from pc_distributed._torch_dist import Store
 
-__all__ = ["claim", "lookup", "release", "store_barrier", "wait_keys"]
+__all__ = ["Waiter", "arrival_key", "claim", "lookup", "release", "store_barrier", "wait_keys"]
+
+
+class Waiter(Protocol):
+    """Something that blocks until keys exist (``WaitStores``): raises the store's error on a timeout."""
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None: ...
+
 
 # compare_set on a missing key with a non-empty expected value returns that value unchanged and sets nothing,
 # so comparing against a value no owner can have is an atomic one-round-trip look-up.
@@ -38,11 +48,12 @@ def release(store: Store, key: str, owner: str) -> bool:
     return bool(store.delete_key(key))
 
 
-def wait_keys(store: Store, keys: Sequence[str], timeout: float, what: str) -> None:
+def wait_keys(store: Store, waiter: Waiter, keys: Sequence[str], timeout: float, what: str) -> None:
     """Wait until every key exists.
 
     Args:
-        store: The store.
+        store: The store (short requests: the diagnosis after a timeout).
+        waiter: Does the blocking wait on a connection of its own.
         keys: Keys to wait for.
         timeout: Seconds.
         what: Describes the wait for the error message.
@@ -51,7 +62,9 @@ def wait_keys(store: Store, keys: Sequence[str], timeout: float, what: str) -> N
         TimeoutError: Naming the keys still missing.
     """
     try:
-        store.wait(list(keys), timedelta(seconds=timeout))
+        waiter.wait(keys, timeout)
+    except StoreClosedError:
+        raise
     except (RuntimeError, dist.DistStoreError) as exc:
         missing = [k for k in keys if not store.check([k])]
         if not missing:  # pragma: no cover - arrived right at the deadline
@@ -59,8 +72,14 @@ def wait_keys(store: Store, keys: Sequence[str], timeout: float, what: str) -> N
         raise TimeoutError(f"{what}: timed out after {timeout:g} s waiting for {missing}") from exc
 
 
+def arrival_key(prefix: str, generation: int, member: str) -> str:
+    """The key a member sets when it enters generation ``generation`` of the barrier under ``prefix``."""
+    return f"{prefix}/{generation}/arrived/{member}"
+
+
 def store_barrier(
     store: Store,
+    waiter: Waiter,
     prefix: str,
     generation: int,
     me: str,
@@ -72,13 +91,14 @@ def store_barrier(
 
     Each member marks itself arrived and increments a counter; the one reaching the group size sets a
     persistent ``done`` key (no pulse that a late waiter could miss) and deletes the keys of the previous
-    generation, which every member has left by then.
+    generation, which every member has left by then. The wait itself runs on ``waiter`` (a connection of its
+    own), so other threads' requests on ``store`` go on meanwhile.
 
     Raises:
         TimeoutError: Naming the members that did not arrive.
     """
     base = f"{prefix}/{generation}"
-    store.set(f"{base}/arrived/{me}", "1")
+    store.set(arrival_key(prefix, generation, me), "1")
     if store.add(f"{base}/n", 1) == len(members):
         store.set(f"{base}/done", "1")
         if generation > 0:
@@ -88,11 +108,13 @@ def store_barrier(
     if not wait:  # arrive without waiting (a member that leaves must not hold the others up)
         return
     try:
-        store.wait([f"{base}/done"], timedelta(seconds=timeout))
+        waiter.wait([f"{base}/done"], timeout)
+    except StoreClosedError:
+        raise
     except (RuntimeError, dist.DistStoreError) as exc:
         if store.check([f"{base}/done"]):  # pragma: no cover - completed right at the deadline
             return
-        missing = [m for m in members if not store.check([f"{base}/arrived/{m}"])]
+        missing = [m for m in members if not store.check([arrival_key(prefix, generation, m)])]
         raise TimeoutError(
             f"barrier {prefix!r} timed out after {timeout:g} s; members that did not arrive: {missing}"
         ) from exc

@@ -25,6 +25,7 @@ __all__ = [
     "prefix_store",
     "shutdown_rpc",
     "start_rpc",
+    "store_client",
     "store_port",
 ]
 
@@ -86,6 +87,19 @@ def prefix_store(prefix: str, store: Any) -> Any:
 def store_port(store: Any) -> int | None:
     """The port of a TCPStore, or None for other stores."""
     return int(store.port) if isinstance(store, _TCPStore) else None
+
+
+def store_client(store: Any, timeout: float) -> Any | None:
+    """A new client connection to the server of TCPStore ``store``, or None for other stores.
+
+    A TCPStore client runs one request at a time (a blocking ``wait`` holds it until it returns), so a thread
+    that blocks needs a connection of its own.
+    """
+    if not isinstance(store, _TCPStore):
+        return None
+    return _TCPStore(
+        store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
 
 
 def init_pg(store: Any, backend: str, rank: int, world_size: int, timeout: float) -> None:

@@ -398,7 +398,13 @@ def create_collective_group(
     store.set(f"cg/{seq}/{world.rank}", text)
     keys = [f"cg/{seq}/{r}" for r in range(world.world_size)]
     try:
-        wait_keys(store, keys, timeout, f"create_collective_group #{seq} (every world rank must call it)")
+        wait_keys(
+            store,
+            world.waits,
+            keys,
+            timeout,
+            f"create_collective_group #{seq} (every world rank must call it)",
+        )
     except TimeoutError as exc:
         missing = [r for r in range(world.world_size) if not store.check([f"cg/{seq}/{r}"])]
         raise TimeoutError(

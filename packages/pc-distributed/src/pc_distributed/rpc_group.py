@@ -363,6 +363,9 @@ class RpcGroup:
     def barrier(self, timeout: float | None = None) -> None:
         """Block until every member entered this barrier (repeatable, no lost wake-ups; one thread at a time).
 
+        The wait runs on a store connection of its own, so the process's other threads keep calling,
+        looking up and registering meanwhile.
+
         Args:
             timeout: Seconds (default: the world's ``rpc_timeout``).
 
@@ -376,7 +379,7 @@ class RpcGroup:
             gen = self._barrier_gen
             self._barrier_gen += 1
         prefix = f"rg/{self.group_name}/{self._instance}/bar"
-        store_barrier(world.store, prefix, gen, world.name, self.group_members, limit)
+        store_barrier(world.store, world.waits, prefix, gen, world.name, self.group_members, limit)
 
     def destroy(self) -> None:
         """Leave the group: remove this process's directory entries and local tables (idempotent)."""

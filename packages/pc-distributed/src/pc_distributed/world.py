@@ -3,7 +3,9 @@
 Construction is transactional (store, then process group, then RPC; a failure undoes what was done, in
 reverse). The store (a ``TCPStore`` served by rank 0, by torchrun's agent or by
 :func:`~pc_distributed.run_world`) also holds the rank/name table, the RPC groups' directories and every
-barrier.
+barrier. A TCPStore client runs one request at a time, so the World keeps three kinds of connection to it:
+``store`` for short requests (look-ups, claims, arrivals), ``waits`` (one connection per blocking wait, see
+``_store_waits``) and one of the process group's own; no thread's wait ever stalls another thread's request.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from pc_distributed import _torch_dist
 from pc_distributed._env import WorldSpec, check_name, resolve_world_spec
 from pc_distributed._store import store_barrier, wait_keys
+from pc_distributed._store_waits import WaitStores
 
 if TYPE_CHECKING:
     from pc_distributed.collective import CollectiveGroup
@@ -130,14 +133,20 @@ class World:
             # Keys are scoped per torchrun restart and per World of this process (every rank creates its
             # Worlds in the same order), so a store that outlives a World never shows it stale keys.
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            self.store = _torch_dist.prefix_store(f"{_PREFIX}/{restart}/{_next_epoch()}", raw)
+            prefix = f"{_PREFIX}/{restart}/{_next_epoch()}"
+            self.store = _torch_dist.prefix_store(prefix, raw)
+            self.waits = WaitStores(raw, prefix, self.dist_timeout)
             rpc_url = spec.rpc_url
             port = _torch_dist.store_port(raw)
             if rpc_url.endswith(":0") and port is not None:
                 rpc_url = f"{rpc_url[:-2]}:{port}"
             self._publish_name()
             if self.init_dist:
-                _torch_dist.init_pg(raw, self.dist_backend, self.rank, self.world_size, self.dist_timeout)
+                # The process group's store waits (gloo's rendezvous of every new group) get their own client.
+                pg_store = _torch_dist.store_client(raw, self.dist_timeout) or raw
+                _torch_dist.init_pg(
+                    pg_store, self.dist_backend, self.rank, self.world_size, self.dist_timeout
+                )
                 undo.append(_torch_dist.destroy_pg)
             if self.init_rpc:
                 _torch_dist.start_rpc(self.name, self.rank, self.world_size, rpc_url, self.rpc_timeout)
@@ -152,7 +161,13 @@ class World:
     def _publish_name(self) -> None:
         self.store.set(f"world/name/{self.rank}", self.name)
         keys = [f"world/name/{r}" for r in range(self.world_size)]
-        wait_keys(self.store, keys, self.dist_timeout, f"World {self.name!r} waiting for the other ranks")
+        wait_keys(
+            self.store,
+            self.waits,
+            keys,
+            self.dist_timeout,
+            f"World {self.name!r} waiting for the other ranks",
+        )
         names = [self.store.get(k).decode() for k in keys]
         if len(set(names)) != len(names):
             raise ValueError(f"member names must be unique, got {names} (by rank)")
@@ -160,6 +175,9 @@ class World:
         self._rank_of = {n: r for r, n in enumerate(names)}
 
     def _drop_store(self) -> None:
+        waits = self.__dict__.pop("waits", None)
+        if waits is not None:
+            waits.close()
         self.__dict__.pop("store", None)
         self.__dict__.pop("_raw_store", None)
 
@@ -261,6 +279,8 @@ class World:
 
         Idempotent and bounded: RPC's shutdown always has a timeout (a dead peer must not hang it); a failed
         graceful shutdown warns and falls back to a non-graceful one. Afterwards a new World may be created.
+        While it waits for the other ranks, this process's other threads can still look up and call services
+        (through group handles) and answer RPCs: the wait has a store connection of its own.
 
         Args:
             timeout: Seconds for the RPC shutdown (default ``rpc_timeout``).
@@ -302,7 +322,7 @@ class World:
         try:
             if not wait:
                 self.store.set("world/stop_abandoned", self.name)
-            store_barrier(self.store, "world/stop", 0, self.name, self._names, timeout, wait=wait)
+            store_barrier(self.store, self.waits, "world/stop", 0, self.name, self._names, timeout, wait=wait)
             if wait and self.store.check(["world/stop_abandoned"]):
                 logger.info("World.stop: a rank left non-gracefully; shutting RPC down non-gracefully")
                 return False

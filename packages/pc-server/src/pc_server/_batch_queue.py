@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from pc_server.errors import ReducerStoppedError
@@ -31,15 +32,19 @@ class BatchQueue(Generic[T]):
     Args:
         max_size: Beyond this many items the oldest are dropped (counted in :attr:`dropped`, warned once).
         name: For log messages.
+        on_drop: Called with each item dropped on overflow (under the queue's lock: keep it short).
     """
 
-    def __init__(self, max_size: int, name: str = "queue") -> None:
+    def __init__(
+        self, max_size: int, name: str = "queue", on_drop: Callable[[T], object] | None = None
+    ) -> None:
         self._items: deque[tuple[float, T]] = deque()
         self._cond = threading.Condition()
         self._max_size = max_size
         self._name = name
         self._closed = False
         self._warned = False
+        self._on_drop = on_drop
         self.dropped = 0
 
     def __len__(self) -> int:
@@ -65,8 +70,10 @@ class BatchQueue(Generic[T]):
             self._items.append((time.monotonic() - max(0.0, age), item))
             overflow = len(self._items) > self._max_size
             if overflow:
-                self._items.popleft()
+                _ts, lost = self._items.popleft()
                 self.dropped += 1
+                if self._on_drop is not None:
+                    self._on_drop(lost)
                 if not self._warned:
                     self._warned = True
                     logger.warning(
@@ -117,6 +124,13 @@ class BatchQueue(Generic[T]):
                         return self._take(batch_size)
                     wait_s = min(wait_s, due_in)
                 self._cond.wait(wait_s)
+
+    def drain(self) -> list[T]:
+        """Remove and return every waiting item (oldest first), e.g. to account for them after a failure."""
+        with self._cond:
+            items = [item for _ts, item in self._items]
+            self._items.clear()
+            return items
 
     def _take(self, batch_size: int) -> list[T]:
         count = min(batch_size, len(self._items))

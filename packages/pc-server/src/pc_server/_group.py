@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["GroupLike", "call_service", "check_group", "check_name"]
+__all__ = ["GroupLike", "call_member", "call_service", "check_group", "check_name"]
 
 
 @runtime_checkable
@@ -29,6 +29,19 @@ class GroupLike(Protocol):
         self, key: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         """Call the service registered under ``key`` and return its result."""
+
+    def rpc_sync(
+        self,
+        to: str,
+        func: Callable[..., Any],
+        timeout: float = -1,
+        args: Any = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Run the module-level ``func(*args)`` on member ``to``; return its result (no directory look-up)."""
+
+    def get_group_name(self) -> str:
+        """The group's name."""
 
     def get_group_members(self) -> list[str]:
         """The sorted member names."""
@@ -107,4 +120,33 @@ def call_service(group: GroupLike, key: str, args: tuple[Any, ...], server: str)
     except TimeoutError as exc:
         raise TimeoutError(
             f"pc-server: server {server!r} did not answer in time (service {key!r}): {exc}"
+        ) from exc
+
+
+def call_member(
+    group: GroupLike, member: str, func: Callable[..., Any], args: tuple[Any, ...], server: str
+) -> Any:
+    """Run ``func(*args)`` on ``member`` in one RPC, addressed by name (no service directory look-up).
+
+    Args:
+        group: The RpcGroup.
+        member: The member to run on.
+        func: A module-level function.
+        args: Positional arguments.
+        server: The server's name, for error messages.
+
+    Returns:
+        ``func``'s result.
+
+    Raises:
+        ConnectionError: ``member`` is unreachable (e.g. it died).
+        TimeoutError: ``member`` did not answer within the RPC timeout.
+    """
+    try:
+        return group.rpc_sync(member, func, args=args)
+    except ConnectionError as exc:
+        raise ConnectionError(f"pc-server: server {server!r} is unreachable on {member!r}: {exc}") from exc
+    except TimeoutError as exc:
+        raise TimeoutError(
+            f"pc-server: server {server!r} did not answer in time on {member!r}: {exc}"
         ) from exc

@@ -3,7 +3,8 @@
 A push is one RPC carrying every ``requires_grad`` parameter's gradient packed into one buffer per dtype, with
 ``(client, seq, pp_version)``; the secondary queues it and replies at once. The secondary is chosen by
 rotation starting at ``crc32(seed) % n`` (the seed defaults to this process's name), so runs are reproducible;
-a secondary that is unreachable is skipped once in favour of the next.
+a transport error is retried once on the same secondary (its ``(client, seq)`` table recognises a push it
+already received, so a lost reply never applies a push twice), then once on the next secondary.
 """
 
 from __future__ import annotations
@@ -19,10 +20,18 @@ from torch import nn
 from pc_server._group import GroupLike, call_service, check_group, check_name
 from pc_server._packing import Packed, pack
 from pc_server._state import check_model, get_pp_version
+from pc_server.ledger import GradLedger
 from pc_server.model_server import pull_model
 from pc_server.ordered_server import OrderedServerBase
 
-__all__ = ["REDUCE_MASTER", "REDUCE_SLAVE", "GradMessage", "PushPullGradServer", "reducer_service_name"]
+__all__ = [
+    "LEDGER_LEVEL",
+    "REDUCE_MASTER",
+    "REDUCE_SLAVE",
+    "GradMessage",
+    "PushPullGradServer",
+    "reducer_service_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +39,8 @@ REDUCE_MASTER = 0
 """Service level of a forward from a secondary reducer to the primary (machin's name, kept)."""
 REDUCE_SLAVE = 1
 """Service level of a client push to a secondary reducer (machin's name, kept)."""
+LEDGER_LEVEL = 2
+"""Service level of a ledger request (the reducer answers with its :class:`~pc_server.GradLedger`)."""
 
 
 class GradMessage(NamedTuple):
@@ -83,6 +94,7 @@ class PushPullGradServer:
         model_name: The model's key in the ordered server.
         secondary_reducers: Names of the secondary reducers, in rotation order.
         o_server: The ordered server accessor holding the published model.
+        primary_reducer: The primary reducer's name (asked by :meth:`ledger`; ``None``: only the secondaries).
     """
 
     def __init__(
@@ -92,6 +104,7 @@ class PushPullGradServer:
         model_name: str,
         secondary_reducers: list[str],
         o_server: OrderedServerBase,
+        primary_reducer: str | None = None,
     ) -> None:
         self.server_name = check_name("server_name", server_name)
         self.group = check_group(group)
@@ -104,6 +117,9 @@ class PushPullGradServer:
         if not isinstance(o_server, OrderedServerBase):
             raise TypeError(f"o_server must be an OrderedServerBase accessor, got {type(o_server).__name__}")
         self.o_server = o_server
+        self.primary_reducer = (
+            None if primary_reducer is None else check_name("primary_reducer", primary_reducer)
+        )
         self._services = [reducer_service_name(server_name, m) for m in self.secondary_reducers]
         self._client: str | None = None
         self._seq = 0
@@ -132,6 +148,35 @@ class PushPullGradServer:
         if isinstance(seed, bool) or not isinstance(seed, (int, str)):
             raise TypeError(f"seed must be an int or a str, got {type(seed).__name__}")
         self._next = zlib.crc32(str(seed).encode()) % len(self._services)
+
+    @property
+    def client_id(self) -> str:
+        """This accessor's client identity, the key of its entry in :meth:`ledger` (fixed at first use)."""
+        if self._client is None:
+            self._client = f"{self.group.get_cur_name()}/{uuid.uuid4().hex[:12]}"
+        return self._client
+
+    def ledger(self) -> GradLedger:
+        """The server's merged ledger, asked of every reducer (one RPC each): what became of every push.
+
+        ``ledger().clients[client_id]`` tells this client how many of its pushes were applied and how many
+        were dropped, and why. It balances (``accepted == applied + dropped``) once every reducer stopped.
+
+        Raises:
+            ConnectionError: A reducer is unreachable.
+            TimeoutError: A reducer did not answer within the RPC timeout.
+        """
+        return GradLedger.merge(
+            call_service(
+                self.group, reducer_service_name(self.server_name, m), (None, LEDGER_LEVEL), self.server_name
+            )
+            for m in self._reducers()
+        )
+
+    def _reducers(self) -> list[str]:
+        primary = self.primary_reducer
+        extra = [primary] if primary is not None and primary not in self.secondary_reducers else []
+        return [*self.secondary_reducers, *extra]
 
     def next_secondary(self) -> str:
         """The secondary reducer the next push goes to (without advancing the rotation)."""
@@ -167,13 +212,14 @@ class PushPullGradServer:
         check_model(model)
         message_grads = pack(collect_grads(model))
         version = get_pp_version(model)
-        if self._client is None:
-            self._client = f"{self.group.get_cur_name()}/{uuid.uuid4().hex[:12]}"
         self._seq += 1
-        message = GradMessage(message_grads, self._client, self._seq, version)
+        message = GradMessage(message_grads, self.client_id, self._seq, version)
         first = self._peek()
         self._next = (first + 1) % len(self._services)
-        attempts = [first] if len(self._services) == 1 else [first, (first + 1) % len(self._services)]
+        # the same secondary first (its dedup table makes the retry safe), then the next one
+        attempts = (
+            [first, first] if len(self._services) == 1 else [first, first, (first + 1) % len(self._services)]
+        )
         reply: Any = None
         for i, index in enumerate(attempts):
             try:
@@ -185,7 +231,7 @@ class PushPullGradServer:
                 if i + 1 == len(attempts):
                     raise
                 logger.warning(
-                    "gradient server %r: secondary %r unreachable, retrying on %r",
+                    "gradient server %r: secondary %r unreachable, retrying (same seq) on %r",
                     self.server_name,
                     self.secondary_reducers[index],
                     self.secondary_reducers[attempts[i + 1]],

@@ -4,7 +4,7 @@
 
     clients --push (1 RPC)--> secondary reducer k  [queue: B pushes, or the oldest waited flush_timeout]
                                    | per-version partial sums (sum, count), stale groups pre-filtered
-                                   v  (1 RPC from the reducer thread, never from a handler)
+                                   v  direct call when co-located, else 1 RPC addressed by member name
                               primary reducer      [queue: B forwards, same trigger]
                                    | drop groups with head - v > max_staleness; sum or count-weighted mean
                                    v
@@ -15,59 +15,54 @@
 
 With full batches the primary steps once per ``reduce_batch_size ** 2`` pushes. Every member that constructs
 an Impl and is a secondary must ``start()`` it (``grad_server_helper`` does), otherwise gradients routed there
-wait.
+wait. This module is the facade: the settings are a frozen :class:`~pc_server.GradServerConfig`, and the
+two roles are separate objects (``_secondary_reducer.SecondaryReducer``, ``_primary_reducer.PrimaryReducer``),
+each owning its queue, thread and counters; every push they handle is booked in the process's ledger.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import math
 import threading
-import time
-import traceback
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from pc_server._batch_queue import BatchQueue
-from pc_server._group import GroupLike, call_service, check_group, check_name
-from pc_server._packing import Packed, pack, unpack
-from pc_server._reduce import (
-    Partial,
-    check_reduce_method,
-    drop_stale,
-    finalize,
-    merge_partials,
-    reduce_pushes,
-)
-from pc_server._state import check_model, model_snapshot, set_pp_version
-from pc_server.errors import ReducerStoppedError, ReducerTraceback
+from pc_server._forward import deliver_forward, register_primary
+from pc_server._group import GroupLike, call_member, check_group
+from pc_server._packing import Packed
+from pc_server._primary_reducer import PrimaryReducer
+from pc_server._reducer_base import Done, Forward, ReducerHealth
+from pc_server._secondary_reducer import SecondaryReducer
+from pc_server.errors import ReducerStoppedError
 from pc_server.grad_client import (
+    LEDGER_LEVEL,
     REDUCE_MASTER,
     REDUCE_SLAVE,
     GradMessage,
     PushPullGradServer,
     reducer_service_name,
 )
+from pc_server.grad_config import GradServerConfig
+from pc_server.ledger import GradLedger, LedgerBook
 from pc_server.ordered_server import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
 __all__ = ["GradServerStats", "PushPullGradServerImpl"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class GradServerStats:
     """Counters of one reducer process (a snapshot; see :meth:`PushPullGradServerImpl.stats`).
 
+    The per-client account of every push is :meth:`PushPullGradServerImpl.ledger`.
+
     Attributes:
-        received: Client pushes queued here (as a secondary).
-        duplicates: Client pushes ignored as a repeated ``(client, seq)``.
-        dropped_stale: Pushes dropped because their version was more than ``max_staleness`` behind.
-        dropped_overflow: Queue items dropped because a queue exceeded ``max_queue_size``.
+        received: Client pushes accepted (queued) here (as a secondary).
+        duplicates: Client pushes recognised as a retry of a received ``(client, seq)``.
+        dropped_stale: Pushes refused or dropped because their version was more than ``max_staleness`` behind.
+        dropped_overflow: Queue items (a push, or a forwarded bundle) dropped because a queue exceeded
+            ``max_queue_size``.
         forwarded: Partial-sum bundles sent to the primary.
         steps: Optimizer steps taken (primary).
         applied: Client pushes contained in those steps (primary).
@@ -82,32 +77,6 @@ class GradServerStats:
     steps: int = 0
     applied: int = 0
     version: int = 0
-
-
-class _Queued(NamedTuple):
-    version: int
-    grads: Packed
-    enqueued: float
-
-
-class _Forward(NamedTuple):
-    partials: dict[int, tuple[Packed, int]]
-
-
-def _check_positive_int(what: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int >= 1, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{what} must be an int >= 1, got {value}")
-    return value
-
-
-def _check_timeout(what: str, value: object, allow_none: bool) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isnan(value):
-        raise ValueError(f"{what} must be a number > 0{' or None' if allow_none else ''}, got {value!r}")
-    return float(value)
 
 
 class PushPullGradServerImpl:
@@ -164,90 +133,112 @@ class PushPullGradServerImpl:
         flush_timeout: float | None = 1.0,
         max_staleness: int | None = None,
     ) -> None:
-        self.server_name = check_name("server_name", server_name)
         self.group = check_group(group)
-        self.model_name = check_name("model_name", model_name)
-        self.reduce_method = check_reduce_method(reduce_method)
-        self.reduce_device = torch.device(reduce_device)
-        self.reduce_batch_size = _check_positive_int("reduce_batch_size", reduce_batch_size)
-        self.max_queue_size = _check_positive_int("max_queue_size", max_queue_size)
-        if self.max_queue_size < self.reduce_batch_size:
-            raise ValueError(
-                f"max_queue_size ({max_queue_size}) must be >= reduce_batch_size ({reduce_batch_size})"
-            )
-        self.flush_timeout = _check_timeout("flush_timeout", flush_timeout, allow_none=True)
-        if max_staleness is not None and (
-            isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
-        ):
-            raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
-        self.max_staleness = max_staleness
-
-        members = list(group.get_group_members())
-        self._me = group.get_cur_name()
-        self.primary_reducer = (
-            members[0] if primary_reducer is None else check_name("primary_reducer", primary_reducer)
+        self.config = cfg = GradServerConfig.build(
+            group,
+            server_name,
+            model_name,
+            primary_reducer,
+            secondary_reducers,
+            reduce_method,
+            reduce_device,
+            reduce_batch_size,
+            max_queue_size,
+            flush_timeout,
+            max_staleness,
         )
-        if secondary_reducers is None:
-            secondary_reducers = members
-        if not isinstance(secondary_reducers, (list, tuple)) or not secondary_reducers:
-            raise ValueError(
-                f"secondary_reducers must be a non-empty list of names, got {secondary_reducers!r}"
-            )
-        self.secondary_reducers = [check_name("secondary reducer", m) for m in secondary_reducers]
-        if len(set(self.secondary_reducers)) != len(self.secondary_reducers):
-            raise ValueError(f"secondary_reducers has duplicates: {self.secondary_reducers}")
-        unknown = [m for m in [self.primary_reducer, *self.secondary_reducers] if m not in members]
-        if unknown:
-            raise ValueError(f"reducers {unknown} are not members of the group (members: {members})")
-        self.is_primary = self._me == self.primary_reducer
-        self.is_secondary = self._me in self.secondary_reducers
-        if not (self.is_primary or self.is_secondary):
-            raise ValueError(
-                f"process {self._me!r} is neither the primary reducer ({self.primary_reducer!r}) nor a "
-                f"secondary ({self.secondary_reducers}); construct the Impl on reducers only"
-            )
-
-        self._o_server_impl: OrderedServerSimpleImpl | None = None
+        o_server_impl: OrderedServerSimpleImpl | None = None
         if o_server is None:
             o_name = server_name + "_o_server"
-            if self.is_primary:
-                self._o_server_impl = OrderedServerSimpleImpl(o_name, group)
+            if cfg.is_primary:
+                o_server_impl = OrderedServerSimpleImpl(o_name, group)
             o_server = OrderedServerSimple(o_name, group)
         if not isinstance(o_server, OrderedServerBase):
             raise TypeError(f"o_server must be an OrderedServerBase accessor, got {type(o_server).__name__}")
         self.o_server = o_server
 
-        self._lock = threading.Lock()  # guards the counters, the dedup table and the lifecycle flags
-        self._stepped = threading.Condition(self._lock)  # notified after every optimizer step and on failure
-        self._stats = GradServerStats()
-        self._last_seq: dict[str, int] = {}
-        self._schema: tuple[tuple[str, ...], tuple[tuple[int, ...], ...]] | None = None
-        self._known_head = 0
-        self._error: BaseException | None = None
-        self._error_text = ""
+        self._lock = threading.Lock()  # guards the lifecycle flags
         self._started = False
         self._stopped = False
-        self._threads: list[threading.Thread] = []
-        self._secondary_q: BatchQueue[_Queued] = BatchQueue(
-            self.max_queue_size, f"{server_name} secondary queue"
+        self._ledger = LedgerBook()
+        self._health = ReducerHealth()
+        self._primary = (
+            PrimaryReducer(cfg, self._ledger, self._health, o_server, o_server_impl)
+            if cfg.is_primary
+            else None
         )
-        self._primary_q: BatchQueue[tuple[_Forward, float]] = BatchQueue(
-            self.max_queue_size, f"{server_name} primary queue"
-        )
-        self.model: nn.Module | None = None
-        self.optimizer: Any = None
-        self.lr_scheduler: Any = None
-        self._version = 0
-        self._primary_service = reducer_service_name(server_name, self.primary_reducer)
+        self._secondary = None
+        if cfg.is_secondary:
+            primary = self._primary
+            self._secondary = SecondaryReducer(
+                cfg,
+                self._ledger,
+                self._health,
+                primary.receive if primary is not None else self._forward_remote,  # co-located: direct call
+                (lambda: primary.version) if primary is not None else None,
+            )
 
-        group.register(reducer_service_name(server_name, self._me), self._push_service)
-        if self.is_primary:
+        group.register(reducer_service_name(server_name, cfg.me), self._push_service)
+        if self._primary is not None:
+            # secondaries in other processes forward by member name through deliver_forward (no directory)
+            register_primary(group.get_group_name(), server_name, self._primary.receive)
             group.pair(
                 server_name,
                 PushPullGradServer(
-                    server_name, group, self.model_name, self.secondary_reducers, self.o_server
+                    server_name,
+                    group,
+                    cfg.model_name,
+                    list(cfg.secondary_reducers),
+                    o_server,
+                    cfg.primary_reducer,
                 ),
             )
+
+    # ------------------------------------------------------------------ settings (read-only views of config)
+    @property
+    def server_name(self) -> str:
+        """The server's name."""
+        return self.config.server_name
+
+    @property
+    def model_name(self) -> str:
+        """The model's key in the ordered server."""
+        return self.config.model_name
+
+    @property
+    def primary_reducer(self) -> str:
+        """The primary reducer's member name."""
+        return self.config.primary_reducer
+
+    @property
+    def secondary_reducers(self) -> list[str]:
+        """The secondary reducers' member names."""
+        return list(self.config.secondary_reducers)
+
+    @property
+    def is_primary(self) -> bool:
+        """Whether this process is the primary reducer."""
+        return self.config.is_primary
+
+    @property
+    def is_secondary(self) -> bool:
+        """Whether this process is a secondary reducer."""
+        return self.config.is_secondary
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The managed model (primary; ``None`` elsewhere or before :meth:`manage_model`)."""
+        return self._primary.model if self._primary is not None else None
+
+    @property
+    def optimizer(self) -> Any:
+        """The managed model's optimizer (primary)."""
+        return self._primary.optimizer if self._primary is not None else None
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The managed model's lr scheduler (primary), or ``None``."""
+        return self._primary.lr_scheduler if self._primary is not None else None
 
     # ------------------------------------------------------------------ lifecycle
     def manage_model(self, model: nn.Module, optimizer: Any, lr_scheduler: Any = None) -> None:
@@ -269,25 +260,14 @@ class PushPullGradServerImpl:
             RuntimeError: This process is not the primary reducer, or the server already started.
             TypeError: Bad argument types.
         """
-        if not self.is_primary:
+        if self._primary is None:
             raise RuntimeError(
-                f"process {self._me!r} is not the primary reducer ({self.primary_reducer!r}) "
+                f"process {self.config.me!r} is not the primary reducer ({self.primary_reducer!r}) "
                 "and cannot manage the model"
             )
         if self._started:
             raise RuntimeError("manage_model() must be called before start()")
-        check_model(model)
-        if not callable(getattr(optimizer, "step", None)):
-            raise TypeError(f"optimizer must have a step() method, got {type(optimizer).__name__}")
-        if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
-            raise TypeError(f"lr_scheduler must have a step() method, got {type(lr_scheduler).__name__}")
-        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
-        self._version = 0
-        set_pp_version(model, 0)
-        if not self._publish(model_snapshot(model), 0, None):
-            raise RuntimeError(
-                f"ordered server already holds {self.model_name!r}: another writer published it first"
-            )
+        self._primary.manage(model, optimizer, lr_scheduler)
 
     def start(self) -> None:
         """Start this process's reducer threads (idempotent).
@@ -302,48 +282,47 @@ class PushPullGradServerImpl:
                 )
             if self._started:
                 return
-            if self.is_primary and self.model is None:
+            if self._primary is not None and self._primary.model is None:
                 raise RuntimeError("call manage_model() on the primary reducer before start()")
             self._started = True
-            if self.is_secondary:
-                self._threads.append(self._spawn("secondary", self._secondary_loop))
-            if self.is_primary:
-                self._threads.append(self._spawn("primary", self._primary_loop))
+        for role in (self._secondary, self._primary):
+            if role is not None:
+                role.start()
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float | None = None, *, secondaries_timeout: float = 10.0) -> None:
         """Stop accepting pushes, reduce what is queued, and join the reducer threads (idempotent).
 
-        The secondary drains first (forwarding its partial sums), then the primary (applying them).
+        The secondary drains first (forwarding its partial sums) and then tells the primary it is done; the
+        primary waits up to ``secondaries_timeout`` seconds for every other secondary to be done before it
+        drains and applies what it holds. So every reducer may call ``stop()`` at the same time; a secondary
+        that stops later than that finds the primary gone and books its last pushes as ``dropped_shutdown``
+        in the :meth:`ledger` (with a warning). A reducer that was never started books what it queued as
+        ``dropped_shutdown`` too.
 
         Args:
             timeout: Seconds to wait for each thread; ``None`` waits until they finish draining.
+            secondaries_timeout: On the primary, seconds to wait for the other secondaries to finish
+                (woken by each one's final message); ``0`` does not wait.
 
         Raises:
             TimeoutError: A reducer thread did not finish within ``timeout`` (named in the message).
         """
         with self._lock:
             self._stopped = True
-        for queue, thread_role in ((self._secondary_q, "secondary"), (self._primary_q, "primary")):
-            queue.close()
-            for thread in self._threads:
-                if thread.name.endswith(thread_role):
-                    thread.join(timeout)
-                    if thread.is_alive():
-                        raise TimeoutError(
-                            f"gradient server {self.server_name!r}: the {thread_role} reducer on "
-                            f"{self._me!r} did not stop within {timeout} s"
-                        )
+        if self._secondary is not None:
+            self._secondary.stop(timeout)
+            if self._primary is None:
+                self._secondary.say_done()
+        if self._primary is not None:
+            self._primary.wait_for_secondaries(secondaries_timeout)
+            self._primary.stop(timeout)
 
     def watch(self) -> None:
         """Re-raise a reducer thread's error (original type, the thread's traceback as ``__cause__``).
 
         Call it periodically on every reducer process; it returns ``None`` while all is well.
         """
-        err = self._error
-        if err is not None:
-            if err.__cause__ is None:
-                err.__cause__ = ReducerTraceback(self._error_text)
-            raise err
+        self._health.raise_if_failed()
 
     def wait_for_version(self, version: int, timeout: float) -> bool:
         """On the primary, wait until the managed model reaches ``version`` (or the reducer fails).
@@ -358,171 +337,58 @@ class PushPullGradServerImpl:
         Raises:
             RuntimeError: This process is not the primary reducer.
         """
-        if not self.is_primary:
-            raise RuntimeError(f"process {self._me!r} is not the primary reducer; it holds no model version")
-        with self._stepped:
-            self._stepped.wait_for(lambda: self._version >= version or self._error is not None, timeout)
-            return self._version >= version
+        if self._primary is None:
+            raise RuntimeError(
+                f"process {self.config.me!r} is not the primary reducer; it holds no model version"
+            )
+        return self._primary.wait_for_version(version, timeout)
 
     def stats(self) -> GradServerStats:
         """A snapshot of this process's counters."""
-        with self._lock:
-            snap = dataclasses.replace(self._stats)
-        snap.dropped_overflow = self._secondary_q.dropped + self._primary_q.dropped
-        snap.version = self._version if self.is_primary else self._known_head
-        return snap
+        total = self._ledger.snapshot().total
+        sec, prim = self._secondary, self._primary
+        return GradServerStats(
+            received=total.accepted,
+            duplicates=total.duplicates,
+            dropped_stale=total.refused_stale + total.dropped_stale,
+            dropped_overflow=sum(r.queue.dropped for r in (sec, prim) if r is not None),
+            forwarded=sec.forwarded if sec is not None else 0,
+            steps=prim.steps if prim is not None else 0,
+            applied=total.applied,
+            version=prim.version if prim is not None else (sec.head if sec is not None else 0),
+        )
+
+    def ledger(self) -> GradLedger:
+        """A snapshot of this process's ledger: what became of the client pushes it handled, per client.
+
+        A secondary books what it accepted, refused and dropped; the primary what it applied and dropped.
+        Merge the ledgers of every reducer of the server (:meth:`GradLedger.merge`, or ask any client
+        accessor's :meth:`~pc_server.PushPullGradServer.ledger`); after every reducer stopped the merged
+        ledger is balanced: ``accepted == applied + dropped``.
+        """
+        return self._ledger.snapshot()
 
     # ------------------------------------------------------------------ services
     def _push_service(self, payload: Any, level: int) -> Any:
         if level == REDUCE_SLAVE:
-            return self._accept_push(payload)
+            if not isinstance(payload, GradMessage) or not isinstance(payload.grads, Packed):
+                raise TypeError(
+                    f"expected a GradMessage from PushPullGradServer.push, got {type(payload).__name__}"
+                )
+            if self._secondary is None:
+                raise ValueError(f"{self.config.me!r} is not a secondary reducer of {self.server_name!r}")
+            return self._secondary.accept(payload)
         if level == REDUCE_MASTER:
-            if not self.is_primary:
-                raise ValueError(f"{self._me!r} is not the primary reducer of {self.server_name!r}")
+            if self._primary is None:
+                raise ValueError(f"{self.config.me!r} is not the primary reducer of {self.server_name!r}")
             forward, age = payload
-            self._primary_q.put((forward, age), age=age)
-            return self._version
+            return self._primary.receive(forward, age)
+        if level == LEDGER_LEVEL:
+            return self.ledger()
         raise ValueError(f"unknown push level {level!r}; expected REDUCE_MASTER (0) or REDUCE_SLAVE (1)")
 
-    def _accept_push(self, message: Any) -> tuple[bool, int]:
-        if not isinstance(message, GradMessage) or not isinstance(message.grads, Packed):
-            raise TypeError(
-                f"expected a GradMessage from PushPullGradServer.push, got {type(message).__name__}"
-            )
-        if not self.is_secondary:
-            raise ValueError(f"{self._me!r} is not a secondary reducer of {self.server_name!r}")
-        if self._error is not None or self._secondary_q.closed:
-            raise ReducerStoppedError(
-                f"gradient server {self.server_name!r}: the reducer on {self._me!r} "
-                f"{'failed' if self._error is not None else 'was stopped'}; no pushes accepted"
-            )
-        schema = (message.grads.names, message.grads.shapes)
-        with self._lock:
-            if self._schema is None:
-                self._schema = schema
-            elif schema != self._schema:
-                raise ValueError(
-                    f"gradient names/shapes {list(zip(*schema, strict=True))} differ from the first "
-                    f"push's {list(zip(*self._schema, strict=True))}"
-                )
-            # A client that computed on version v proves the head is >= v; a co-located primary knows it.
-            self._known_head = max(self._known_head, message.version)
-            head = self._version if self.is_primary else self._known_head
-            if message.seq <= self._last_seq.get(message.client, 0):
-                self._stats.duplicates += 1
-                return False, head
-            self._last_seq[message.client] = message.seq
-            if self.max_staleness is not None and head - message.version > self.max_staleness:
-                self._stats.dropped_stale += 1
-                return False, head
-            self._stats.received += 1
-        self._secondary_q.put(_Queued(message.version, message.grads, time.monotonic()))
-        return True, head
-
-    # ------------------------------------------------------------------ reducer threads
-    def _spawn(self, role: str, loop: Callable[[], None]) -> threading.Thread:
-        thread = threading.Thread(
-            target=self._run_guarded, args=(loop,), name=f"pc-server {self.server_name} {role}", daemon=True
-        )
-        thread.start()
-        return thread
-
-    def _run_guarded(self, loop: Callable[[], None]) -> None:
-        try:
-            loop()
-        except BaseException as exc:  # reported through watch()
-            self._error_text = traceback.format_exc()
-            with self._stepped:
-                self._error = exc
-                self._stepped.notify_all()
-            logger.error("gradient server %r: reducer on %r failed: %r", self.server_name, self._me, exc)
-            self._secondary_q.close()
-            self._primary_q.close()
-
-    def _secondary_loop(self) -> None:
-        while True:
-            batch = self._secondary_q.get_batch(self.reduce_batch_size, self.flush_timeout)
-            if batch is None:
-                return
-            oldest = min(item.enqueued for item in batch)
-            groups = reduce_pushes(((it.version, unpack(it.grads, self.reduce_device)) for it in batch), None)
-            head = self._version if self.is_primary else self._known_head
-            groups, dropped = drop_stale(groups, head, self.max_staleness)
-            if dropped:
-                with self._lock:
-                    self._stats.dropped_stale += dropped
-            if not groups:
-                continue
-            forward = _Forward({v: (pack(p.sums), p.pushes) for v, p in groups.items()})
-            age = time.monotonic() - oldest
-            try:
-                head = call_service(
-                    self.group, self._primary_service, ((forward, age), REDUCE_MASTER), self.server_name
-                )
-            except ReducerStoppedError:
-                if self._secondary_q.closed:  # shutting down: the primary stopped first
-                    logger.warning(
-                        "gradient server %r: primary stopped; dropping a final bundle", self.server_name
-                    )
-                    continue
-                raise
-            with self._lock:
-                self._stats.forwarded += 1
-                self._known_head = max(self._known_head, int(head))
-
-    def _primary_loop(self) -> None:
-        while True:
-            batch = self._primary_q.get_batch(self.reduce_batch_size, self.flush_timeout)
-            if batch is None:
-                return
-            parts = [
-                {
-                    v: Partial(unpack(packed, self.reduce_device), count)
-                    for v, (packed, count) in fwd.partials.items()
-                }
-                for fwd, _age in batch
-            ]
-            groups, dropped = drop_stale(merge_partials(parts, None), self._version, self.max_staleness)
-            if dropped:
-                with self._lock:
-                    self._stats.dropped_stale += dropped
-            if not groups:
-                continue
-            grads, count = finalize(groups, self.reduce_method)
-            self._step(grads)
-            with self._stepped:
-                self._stats.steps += 1
-                self._stats.applied += count
-                self._stepped.notify_all()
-
-    def _step(self, grads: dict[str, torch.Tensor]) -> None:
-        model = self.model
-        if model is None:  # start() checks this; kept for the type checker
-            raise RuntimeError("no managed model")
-        params = dict(model.named_parameters())
-        unknown = sorted(grads.keys() - params.keys())
-        if unknown:
-            raise ValueError(f"pushed gradients name parameters the managed model lacks: {unknown}")
-        for name, param in params.items():
-            param.grad = None
-            if not param.requires_grad:
-                continue
-            grad = grads.get(name)
-            if grad is None:
-                raise ValueError(f"pushed gradients lack managed parameter {name!r}")
-            param.grad = grad.to(param.device, param.dtype)
-        self.optimizer.step()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self._version += 1
-        set_pp_version(model, self._version)
-        if not self._publish(model_snapshot(model), self._version, self._version - 1):
-            raise RuntimeError(
-                f"gradient server {self.server_name!r}: publishing version {self._version} of "
-                f"{self.model_name!r} was refused; another process writes the same key"
-            )
-
-    def _publish(self, snap: Packed, version: int, prev: int | None) -> bool:
-        if self._o_server_impl is not None:  # hosted here: no RPC, and the snapshot is already private
-            return self._o_server_impl._store.push(self.model_name, snap, version, prev).accepted
-        return self.o_server.push(self.model_name, snap, version, prev)
+    def _forward_remote(self, forward: Forward | Done, age: float) -> int:
+        """One RPC to the primary's process, addressed by member name (no service-directory look-up)."""
+        cfg = self.config
+        args = (self.group.get_group_name(), cfg.server_name, forward, age)
+        return int(call_member(self.group, cfg.primary_reducer, deliver_forward, args, cfg.server_name))

@@ -215,6 +215,23 @@ class OrderedServerSimpleImpl:
         """
         return self._store.push(key, snapshot(value), version, prev_version).accepted
 
+    def push_snapshot(self, key: Any, value: Any, version: Any, prev_version: Any) -> bool:
+        """Push from the serving process a value that is already a private snapshot (stored as is, no copy).
+
+        For a caller that built ``value`` for this push alone and never touches it again (e.g. the gradient
+        server publishing a fresh CPU snapshot of its model); anything else must use :meth:`push`.
+
+        Args:
+            key: Key.
+            value: The snapshot; the store keeps this very object.
+            version: New version.
+            prev_version: Expected newest version.
+
+        Returns:
+            Whether the push was accepted.
+        """
+        return self._store.push(key, value, version, prev_version).accepted
+
     def pull(self, key: Any, version: Any = None) -> tuple[Any, Any] | None:
         """Pull a snapshot from the serving process itself (the copy is taken after the lock is released).
 

@@ -1,0 +1,190 @@
+"""The primary reducer: merges the secondaries' bundles, steps the optimizer, publishes each new version.
+
+It owns its queue, its thread, the managed model, optimizer and lr scheduler, the model version and the set of
+secondaries that said they are done (so that its ``stop()`` can wait for them).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from pc_server._packing import unpack
+from pc_server._reduce import Partial, drop_stale, finalize, merge_partials
+from pc_server._reducer_base import Done, Forward, ReducerHealth, ReducerRole, forward_clients, per_client
+from pc_server._state import check_model, model_snapshot, set_pp_version
+from pc_server.grad_config import GradServerConfig
+from pc_server.ledger import LedgerBook
+from pc_server.ordered_server import OrderedServerBase, OrderedServerSimpleImpl
+
+__all__ = ["PrimaryReducer"]
+
+logger = logging.getLogger("pc_server.grad_server")
+
+
+class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
+    """The primary reducer of a gradient server (in the primary's process only).
+
+    Args:
+        config: The server's settings.
+        ledger: The process's ledger.
+        health: The process's failure record; its condition is notified after every step.
+        o_server: The ordered server accessor the model is published to.
+        o_server_impl: The ordered server itself when hosted in this process (published to without an RPC).
+    """
+
+    role = "primary"
+
+    def __init__(
+        self,
+        config: GradServerConfig,
+        ledger: LedgerBook,
+        health: ReducerHealth,
+        o_server: OrderedServerBase,
+        o_server_impl: OrderedServerSimpleImpl | None,
+    ) -> None:
+        super().__init__(
+            config, ledger, health, lambda item: ledger.record("dropped_overflow", forward_clients(item[0]))
+        )
+        self.o_server = o_server
+        self.o_server_impl = o_server_impl
+        self.model: nn.Module | None = None
+        self.optimizer: Any = None
+        self.lr_scheduler: Any = None
+        self.version = 0
+        self.steps = 0
+        self._done: set[str] = set()  # secondaries whose stop() finished
+
+    def _clients_of(self, item: tuple[Forward, float]) -> dict[str, int]:
+        return forward_clients(item[0])
+
+    def manage(self, model: nn.Module, optimizer: Any, lr_scheduler: Any) -> None:
+        """Take the model (see ``PushPullGradServerImpl.manage_model``) and publish version 0.
+
+        Raises:
+            TypeError: Bad argument types.
+            RuntimeError: The ordered server already holds the model's key.
+        """
+        check_model(model)
+        if not callable(getattr(optimizer, "step", None)):
+            raise TypeError(f"optimizer must have a step() method, got {type(optimizer).__name__}")
+        if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
+            raise TypeError(f"lr_scheduler must have a step() method, got {type(lr_scheduler).__name__}")
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.version = 0
+        set_pp_version(model, 0)
+        if not self._publish(0, None):
+            raise RuntimeError(
+                f"ordered server already holds {self.config.model_name!r}: another writer published it first"
+            )
+
+    def receive(self, forward: Forward | Done, age: float) -> int:
+        """Queue a secondary's bundle, or note that it is done; return the model version.
+
+        Raises:
+            TypeError: ``forward`` is not a bundle from a secondary.
+            ReducerStoppedError: The primary stopped or failed.
+        """
+        if isinstance(forward, Done):
+            with self.health.cond:
+                self._done.add(forward.member)
+                self.health.cond.notify_all()
+            return self.version
+        if not isinstance(forward, Forward):
+            raise TypeError(
+                f"expected a gradient bundle from a secondary reducer, got {type(forward).__name__}"
+            )
+        self.queue.put((forward, age), age=age)
+        return self.version
+
+    def wait_for_version(self, version: int, timeout: float) -> bool:
+        """Wait until the model reaches ``version``; ``False`` on timeout or failure."""
+        with self.health.cond:
+            self.health.cond.wait_for(
+                lambda: self.version >= version or self.health.error is not None, timeout
+            )
+            return self.version >= version
+
+    def wait_for_secondaries(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until every secondary in another process said it is done."""
+        others = self.config.other_secondaries
+        with self.health.cond:
+            done = self.health.cond.wait_for(
+                lambda: others <= self._done or self.health.error is not None, timeout
+            )
+            missing = sorted(others - self._done)
+        if not done:
+            logger.warning(
+                "gradient server %r: secondaries %s did not stop within %s s of the primary; pushes they "
+                "still hold will be dropped at shutdown (booked in their ledgers)",
+                self.config.server_name,
+                missing,
+                timeout,
+            )
+
+    def _loop(self) -> None:
+        cfg = self.config
+        while True:
+            batch = self.queue.get_batch(cfg.reduce_batch_size, cfg.flush_timeout)
+            if batch is None:
+                return
+            clients: dict[int, list[dict[str, int]]] = {}
+            parts = []
+            for fwd, _age in batch:
+                part = {}
+                for v, (packed, count, per) in fwd.partials.items():
+                    part[v] = Partial(unpack(packed, cfg.reduce_device), count)
+                    clients.setdefault(v, []).append(per)
+                parts.append(part)
+            self.inflight = per_client(c for cs in clients.values() for c in cs)
+            kept, _dropped = drop_stale(merge_partials(parts, None), self.version, cfg.max_staleness)
+            self.ledger.record(
+                "dropped_stale", per_client(c for v, cs in clients.items() if v not in kept for c in cs)
+            )
+            if kept:
+                grads, _count = finalize(kept, cfg.reduce_method)
+                self._step(grads)
+                self.ledger.record("applied", per_client(c for v in kept for c in clients[v]))
+                with self.health.cond:
+                    self.steps += 1
+                    self.health.cond.notify_all()
+            self.inflight = {}
+
+    def _step(self, grads: dict[str, torch.Tensor]) -> None:
+        model = self.model
+        if model is None:  # start() checks this; kept for the type checker
+            raise RuntimeError("no managed model")
+        params = dict(model.named_parameters())
+        unknown = sorted(grads.keys() - params.keys())
+        if unknown:
+            raise ValueError(f"pushed gradients name parameters the managed model lacks: {unknown}")
+        for name, param in params.items():
+            param.grad = None
+            if not param.requires_grad:
+                continue
+            grad = grads.get(name)
+            if grad is None:
+                raise ValueError(f"pushed gradients lack managed parameter {name!r}")
+            param.grad = grad.to(param.device, param.dtype)
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        with self.health.cond:
+            self.version += 1
+        set_pp_version(model, self.version)
+        if not self._publish(self.version, self.version - 1):
+            raise RuntimeError(
+                f"gradient server {self.config.server_name!r}: publishing version {self.version} of "
+                f"{self.config.model_name!r} was refused; another process writes the same key"
+            )
+
+    def _publish(self, version: int, prev: int | None) -> bool:
+        if self.model is None:  # manage() sets it first; kept for the type checker
+            raise RuntimeError("no managed model")
+        snap = model_snapshot(self.model)
+        if self.o_server_impl is not None:  # hosted here: no RPC, and the snapshot is already private
+            return self.o_server_impl.push_snapshot(self.config.model_name, snap, version, prev)
+        return self.o_server.push(self.config.model_name, snap, version, prev)

@@ -1,0 +1,164 @@
+"""What the primary and secondary reducers share: the messages, the process's health, a queue-draining thread.
+
+Each reducer role owns one :class:`~pc_server._batch_queue.BatchQueue` and one thread. The first failure of
+either role is kept in the process's :class:`ReducerHealth` (re-raised by ``watch()``), closes both queues,
+and whatever the failed role held is booked as ``dropped_error`` in the ledger: nothing is
+lost without a count.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, NamedTuple, TypeVar
+
+from pc_server._batch_queue import BatchQueue
+from pc_server._packing import Packed
+from pc_server.errors import ReducerTraceback
+from pc_server.grad_config import GradServerConfig
+from pc_server.ledger import LedgerBook
+
+__all__ = ["Done", "Forward", "Queued", "ReducerHealth", "ReducerRole", "forward_clients", "per_client"]
+
+logger = logging.getLogger("pc_server.grad_server")
+
+T = TypeVar("T")
+
+
+class Queued(NamedTuple):
+    """A client push waiting in a secondary's queue."""
+
+    version: int
+    grads: Packed
+    enqueued: float
+    client: str
+
+
+class Forward(NamedTuple):
+    """A secondary's bundle: version -> (packed gradient sums, push count, pushes per client)."""
+
+    partials: dict[int, tuple[Packed, int, dict[str, int]]]
+
+
+class Done(NamedTuple):
+    """A secondary's last message from ``stop()``: it forwarded everything it held."""
+
+    member: str
+
+
+def per_client(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Sum per-client counts."""
+    total: Counter[str] = Counter()
+    for c in counts:
+        total.update(c)
+    return dict(total)
+
+
+def forward_clients(forward: Forward) -> dict[str, int]:
+    """The pushes per client inside a bundle."""
+    return per_client(clients for _sums, _n, clients in forward.partials.values())
+
+
+class ReducerHealth:
+    """The first failure among a process's reducer threads, and the condition the primary notifies on."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self._text = ""
+        self._on_failure: list[Callable[[], None]] = []
+
+    def on_failure(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (e.g. closing a queue) when a reducer thread fails."""
+        self._on_failure.append(callback)
+
+    def fail(self, exc: BaseException, text: str) -> None:
+        """Record ``exc`` (the first failure wins), wake waiters and run the failure callbacks."""
+        with self.cond:
+            if self.error is None:
+                self.error, self._text = exc, text
+            self.cond.notify_all()
+        for callback in self._on_failure:
+            callback()
+
+    def raise_if_failed(self) -> None:
+        """Re-raise the first failure with the thread's traceback as ``__cause__``."""
+        err = self.error
+        if err is not None:
+            if err.__cause__ is None:
+                err.__cause__ = ReducerTraceback(self._text)
+            raise err
+
+
+class ReducerRole(Generic[T]):
+    """One reducer role: a batch queue drained by one thread (subclasses implement :meth:`_loop`)."""
+
+    role = "reducer"
+
+    def __init__(
+        self, config: GradServerConfig, ledger: LedgerBook, health: ReducerHealth, on_drop: Callable[[T], Any]
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.health = health
+        self.queue: BatchQueue[T] = BatchQueue(
+            config.max_queue_size, f"{config.server_name} {self.role} queue", on_drop=on_drop
+        )
+        self.inflight: dict[str, int] = {}  # per-client pushes of the batch being reduced
+        self._thread: threading.Thread | None = None
+        health.on_failure(self.queue.close)
+
+    def _clients_of(self, item: T) -> dict[str, int]:
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Start the thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run_guarded, name=f"pc-server {self.config.server_name} {self.role}", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self, timeout: float | None) -> None:
+        """Close the queue and join the thread, which drains it first.
+
+        Raises:
+            TimeoutError: The thread did not finish within ``timeout``.
+        """
+        self.queue.close()
+        if self._thread is None:  # never started: nothing will reduce what was queued; book it
+            n = self.ledger.record("dropped_shutdown", per_client(map(self._clients_of, self.queue.drain())))
+            if n:
+                logger.warning(
+                    "gradient server %r: the %s reducer on %r was never started; dropping %d queued pushes",
+                    self.config.server_name,
+                    self.role,
+                    self.config.me,
+                    n,
+                )
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(
+                f"gradient server {self.config.server_name!r}: the {self.role} reducer on {self.config.me!r} "
+                f"did not stop within {timeout} s"
+            )
+
+    def _run_guarded(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # reported through watch(): the first failure of this process
+            self.health.fail(exc, traceback.format_exc())
+            logger.error(
+                "gradient server %r: reducer on %r failed: %r", self.config.server_name, self.config.me, exc
+            )
+            # account for what this thread held or would have reduced: nothing is lost silently
+            lost = [self.inflight, *map(self._clients_of, self.queue.drain())]
+            self.inflight = {}
+            self.ledger.record("dropped_error", per_client(lost))

@@ -1,0 +1,175 @@
+"""The secondary reducer: accepts client pushes, reduces batches into per-version partial sums, forwards them.
+
+It owns its queue, its thread, its ``(client, seq)`` table and the gradient schema. Forwards go through the
+``forward`` callable it is given: a direct call into the primary when both share a process, else one RPC
+addressed by the primary's member name (see ``pc_server._forward``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from pc_server._packing import pack, unpack
+from pc_server._reduce import drop_stale, reduce_pushes
+from pc_server._reducer_base import (
+    Done,
+    Forward,
+    Queued,
+    ReducerHealth,
+    ReducerRole,
+    forward_clients,
+    per_client,
+)
+from pc_server.errors import ReducerStoppedError
+from pc_server.grad_client import GradMessage
+from pc_server.grad_config import GradServerConfig
+from pc_server.ledger import LedgerBook
+
+__all__ = ["SecondaryReducer"]
+
+logger = logging.getLogger("pc_server.grad_server")
+
+ForwardFn = Callable[[Forward | Done, float], int]
+
+
+class SecondaryReducer(ReducerRole[Queued]):
+    """A secondary reducer of one process.
+
+    Args:
+        config: The server's settings.
+        ledger: The process's ledger.
+        health: The process's failure record.
+        forward: Sends a bundle (or the final :class:`Done`) to the primary; returns its model version.
+        local_head: The primary's version when it lives in this process (else the head is learned from
+            clients and from the primary's replies).
+    """
+
+    role = "secondary"
+
+    def __init__(
+        self,
+        config: GradServerConfig,
+        ledger: LedgerBook,
+        health: ReducerHealth,
+        forward: ForwardFn,
+        local_head: Callable[[], int] | None = None,
+    ) -> None:
+        super().__init__(
+            config, ledger, health, lambda item: ledger.record("dropped_overflow", {item.client: 1})
+        )
+        self._forward = forward
+        self._local_head = local_head
+        self._lock = threading.Lock()  # guards the dedup table, the schema, the head and the counter
+        self._last_seq: dict[str, tuple[int, bool]] = {}  # client -> (last seq, whether it was accepted)
+        self._schema: tuple[tuple[str, ...], tuple[tuple[int, ...], ...]] | None = None
+        self._known_head = 0
+        self.forwarded = 0
+
+    def _clients_of(self, item: Queued) -> dict[str, int]:
+        return {item.client: 1}
+
+    @property
+    def head(self) -> int:
+        """The newest model version this secondary knows of."""
+        return self._local_head() if self._local_head is not None else self._known_head
+
+    def accept(self, message: GradMessage) -> tuple[bool, int]:
+        """Book and queue one client push; return ``(accepted, head)``.
+
+        A retry of the last ``(client, seq)`` is answered as the first time and not queued again; an older seq
+        and a push more than ``max_staleness`` behind are refused.
+
+        Raises:
+            ReducerStoppedError: The reducer stopped or failed.
+            ValueError: The gradients' names or shapes differ from the first push's.
+        """
+        if self.health.error is not None or self.queue.closed:
+            raise ReducerStoppedError(
+                f"gradient server {self.config.server_name!r}: the reducer on {self.config.me!r} "
+                f"{'failed' if self.health.error is not None else 'was stopped'}; no pushes accepted"
+            )
+        schema = (message.grads.names, message.grads.shapes)
+        with self._lock:
+            if self._schema is None:
+                self._schema = schema
+            elif schema != self._schema:
+                raise ValueError(
+                    f"gradient names/shapes {list(zip(*schema, strict=True))} differ from the first "
+                    f"push's {list(zip(*self._schema, strict=True))}"
+                )
+            # A client that computed on version v proves the head is >= v; a co-located primary knows it.
+            self._known_head = max(self._known_head, message.version)
+            head = self.head
+            last_seq, last_accepted = self._last_seq.get(message.client, (0, False))
+            if message.seq <= last_seq:
+                # a retry (the reply was lost): answer as the first time, never queue it twice
+                self.ledger.record("duplicates", {message.client: 1})
+                return (last_accepted if message.seq == last_seq else False), head
+            stale = self.config.max_staleness
+            if stale is not None and head - message.version > stale:
+                self._last_seq[message.client] = (message.seq, False)
+                self.ledger.record("refused_stale", {message.client: 1})
+                return False, head
+        # one client pushes one message at a time, so nothing else can book this (client, seq) meanwhile
+        self.queue.put(Queued(message.version, message.grads, time.monotonic(), message.client))
+        with self._lock:
+            self._last_seq[message.client] = (message.seq, True)
+        self.ledger.record("accepted", {message.client: 1})
+        return True, head
+
+    def say_done(self) -> None:
+        """Tell the primary this secondary forwarded everything (after :meth:`stop`)."""
+        try:
+            self._forward(Done(self.config.me), 0.0)
+        except (ReducerStoppedError, ConnectionError, TimeoutError, KeyError) as exc:
+            logger.debug(
+                "gradient server %r: primary not told %r is done: %r",
+                self.config.server_name,
+                self.config.me,
+                exc,
+            )
+
+    def _loop(self) -> None:
+        cfg = self.config
+        while True:
+            batch = self.queue.get_batch(cfg.reduce_batch_size, cfg.flush_timeout)
+            if batch is None:
+                return
+            clients: dict[int, Counter[str]] = {}
+            for item in batch:
+                clients.setdefault(item.version, Counter())[item.client] += 1
+            self.inflight = per_client(clients.values())
+            oldest = min(item.enqueued for item in batch)
+            groups = reduce_pushes(((it.version, unpack(it.grads, cfg.reduce_device)) for it in batch), None)
+            kept, _dropped = drop_stale(groups, self.head, cfg.max_staleness)
+            self.ledger.record("dropped_stale", per_client(clients[v] for v in groups if v not in kept))
+            if kept:
+                forward = Forward({v: (pack(p.sums), p.pushes, dict(clients[v])) for v, p in kept.items()})
+                self._send(forward, time.monotonic() - oldest)
+            self.inflight = {}
+
+    def _send(self, forward: Forward, age: float) -> None:
+        try:
+            head = self._forward(forward, age)
+        except (ReducerStoppedError, ConnectionError, KeyError) as exc:
+            if self.health.error is not None or not self.queue.closed:
+                raise  # a failure (the co-located primary's, or the transport's): booked as dropped_error
+            # shutting down and the primary is gone or stopped first: booked, and said out loud
+            n = self.ledger.record("dropped_shutdown", forward_clients(forward))
+            logger.warning(
+                "gradient server %r: the primary %r stopped before the secondary %r; dropping a final "
+                "bundle of %d pushes (%r). Stop the secondaries before the primary.",
+                self.config.server_name,
+                self.config.primary_reducer,
+                self.config.me,
+                n,
+                exc,
+            )
+            return
+        with self._lock:
+            self.forwarded += 1
+            self._known_head = max(self._known_head, int(head))

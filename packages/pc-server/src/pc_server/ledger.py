@@ -1,0 +1,135 @@
+"""The gradient server's ledger: what became of every client push, per client and in total.
+
+Each reducer process keeps its own book: a secondary counts what it accepted, refused and dropped; the primary
+counts what it applied and dropped. Only the merged ledger of every reducer of one server balances::
+
+    accepted == applied + dropped_stale + dropped_overflow + dropped_shutdown + dropped_error
+
+once every reducer has stopped (secondaries first, then the primary). Pushes refused at once
+(``refused_stale``) or recognised as a retry (``duplicates``) were never accepted a second time, and their
+client learned it from ``push()``'s return value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterable, Mapping
+
+__all__ = ["GradLedger", "PushCounts"]
+
+_DROPPED = ("dropped_stale", "dropped_overflow", "dropped_shutdown", "dropped_error")
+_FIELDS = ("accepted", "duplicates", "refused_stale", "applied", *_DROPPED)
+
+
+@dataclasses.dataclass
+class PushCounts:
+    """Counts of client pushes (of one client, or of all).
+
+    Attributes:
+        accepted: Pushes a secondary queued (``push()`` returned ``True``).
+        duplicates: Retries of an already received ``(client, seq)``: answered as before, not queued again.
+        refused_stale: Pushes refused at once as more than ``max_staleness`` behind (``push()`` returned
+            ``False``); not accepted.
+        applied: Accepted pushes contained in an optimizer step (each exactly once).
+        dropped_stale: Accepted pushes dropped later because the model moved more than ``max_staleness`` on.
+        dropped_overflow: Accepted pushes dropped from a full queue (``max_queue_size``).
+        dropped_shutdown: Accepted pushes dropped because the primary had stopped before a secondary's final
+            forward reached it (a warning is logged; stop the secondaries first to avoid it).
+        dropped_error: Accepted pushes lost with a failed reducer thread (see ``watch()``).
+    """
+
+    accepted: int = 0
+    duplicates: int = 0
+    refused_stale: int = 0
+    applied: int = 0
+    dropped_stale: int = 0
+    dropped_overflow: int = 0
+    dropped_shutdown: int = 0
+    dropped_error: int = 0
+
+    @property
+    def dropped(self) -> int:
+        """Accepted pushes dropped for any reason."""
+        return self.dropped_stale + self.dropped_overflow + self.dropped_shutdown + self.dropped_error
+
+    @property
+    def pending(self) -> int:
+        """Accepted pushes neither applied nor dropped yet (0 in a balanced ledger)."""
+        return self.accepted - self.applied - self.dropped
+
+    def add(self, other: PushCounts) -> None:
+        """Add ``other``'s counts to these.
+
+        Args:
+            other: The counts to add.
+        """
+        for name in _FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclasses.dataclass
+class GradLedger:
+    """A snapshot of the ledger: totals and per-client counts (clients keyed by their ``client_id``).
+
+    Attributes:
+        total: The counts over all clients.
+        clients: Per-client counts.
+    """
+
+    total: PushCounts = dataclasses.field(default_factory=PushCounts)
+    clients: dict[str, PushCounts] = dataclasses.field(default_factory=dict)
+
+    def balanced(self) -> bool:
+        """Whether every accepted push was applied or dropped, in total and for each client."""
+        return self.total.pending == 0 and all(c.pending == 0 for c in self.clients.values())
+
+    @classmethod
+    def merge(cls, ledgers: Iterable[GradLedger]) -> GradLedger:
+        """Sum the ledgers of several reducer processes (of one server) into one.
+
+        Args:
+            ledgers: The reducers' ledgers.
+
+        Returns:
+            The merged ledger.
+        """
+        out = cls()
+        for ledger in ledgers:
+            out.total.add(ledger.total)
+            for client, counts in ledger.clients.items():
+                out.clients.setdefault(client, PushCounts()).add(counts)
+        return out
+
+
+class LedgerBook:
+    """A reducer process's thread-safe ledger (internal; read it through ``snapshot()``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ledger = GradLedger()
+
+    def record(self, field: str, per_client: Mapping[str, int]) -> int:
+        """Add ``per_client`` counts to ``field`` of each client and of the total; return their sum.
+
+        Raises:
+            ValueError: ``field`` is not a :class:`PushCounts` field.
+        """
+        if field not in _FIELDS:
+            raise ValueError(f"unknown ledger field {field!r}; expected one of {_FIELDS}")
+        added = 0
+        with self._lock:
+            for client, n in per_client.items():
+                counts = self._ledger.clients.setdefault(client, PushCounts())
+                setattr(counts, field, getattr(counts, field) + n)
+                added += n
+            setattr(self._ledger.total, field, getattr(self._ledger.total, field) + added)
+        return added
+
+    def snapshot(self) -> GradLedger:
+        """A deep copy of the current ledger."""
+        with self._lock:
+            return GradLedger(
+                dataclasses.replace(self._ledger.total),
+                {c: dataclasses.replace(n) for c, n in self._ledger.clients.items()},
+            )
