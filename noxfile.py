@@ -30,7 +30,8 @@ EXTRA_TEST_DEPS: dict[str, list[str]] = {
     "pc-assigner": ["scipy>=1.9"],
 }
 # What the demo, the integration tests and the benchmarks use beyond the packages themselves.
-DEMO_DEPS = ["tqdm>=4.60"]
+# The examples' own dependencies (never a pc package's): progress bars, the digits data, the plot, CartPole.
+DEMO_DEPS = ["tqdm>=4.60", "scikit-learn>=1.2", "matplotlib>=3.7", "gymnasium>=0.29"]
 BENCH_DEPS = ["tqdm>=4.60", "cloudpickle>=3", "loky>=3.4", "matplotlib>=3.7", "scipy>=1.9", "numpy>=1.24"]
 DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26", "ruff>=0.6"]
 
@@ -230,6 +231,14 @@ def demo(session: nox.Session) -> None:
     _install(session, *PACKAGES, *DEMO_DEPS)
     _check_torch_build(session)
     session.run("python", "examples/async_training.py", *session.posargs)
+
+
+@nox.session
+def rl(session: nox.Session) -> None:
+    """A3C on CartPole-v1 until the mean greedy return of 20 episodes is >= 475 (``nox -s rl -- --help``)."""
+    _install(session, *PACKAGES, *DEMO_DEPS)
+    _check_torch_build(session)
+    session.run("python", "examples/a3c_cartpole.py", *session.posargs)
 
 
 @nox.session

@@ -36,12 +36,17 @@ from typing import Any
 
 import torch
 from demo_report import Progress, print_table, save_plot
+from digits_task import (
+    Data,
+    batch_of,
+    batch_stat_accuracy,
+    evaluate,
+    load_data,
+    make_model,
+    recompute_bn_stats,
+)
 from torch import nn
 
-Data = tuple[torch.Tensor, torch.Tensor]
-
-NUM_CLASSES = 10
-TRAIN_SIZE = 1437  # of load_digits' 1,797 images; the other 360 are held out
 EVAL_EVERY = 10  # steps between two points of the accuracy curve
 MIN_ACCURACY = 0.95
 MAX_GAP_TO_BASELINE = 0.02
@@ -126,59 +131,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 
 # --------------------------------------------------------------------------------------------------- the task
-def load_data(seed: int) -> tuple[Data, Data]:
-    """scikit-learn's handwritten digits as ``(N, 1, 8, 8)`` floats in [0, 1]; a fixed (seeded) split."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.int64)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    train, held_out = order[:TRAIN_SIZE], order[TRAIN_SIZE:]
-    return (x[train], y[train]), (x[held_out], y[held_out])
-
-
-def make_model() -> nn.Module:
-    """A small CNN with batch norm: features (two conv + BN + ReLU, a max-pool) then a head (MLP with BN)."""
-    return nn.Sequential(
-        nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1),
-            nn.BatchNorm2d(16),
-            nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1),
-            nn.BatchNorm2d(32),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-        ),
-        nn.Sequential(
-            nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10)
-        ),
-    )
-
-
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """``(cross-entropy, accuracy)`` of the model in eval mode on a held-out set."""
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        logits = model(x)
-    model.train(was_training)
-    return nn.functional.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
-
-
-def batch_stat_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Accuracy with batch statistics over the whole held-out set (cheap, for the curves only).
-
-    A gradient server moves gradients, not buffers, so a worker's running statistics mean nothing mid-run;
-    the final numbers use :func:`recompute_bn_stats` instead.
-    """
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():
-        accuracy = (model(x).argmax(1) == y).float().mean().item()
-    model.load_state_dict(state)  # the forward in train mode touched the running statistics
-    return accuracy
-
-
 def baseline(
     cfg: Config, x: torch.Tensor, y: torch.Tensor, held_out: Data
 ) -> tuple[nn.Module, list[tuple[float, float, float]]]:
@@ -202,20 +154,12 @@ def baseline(
     return model, curve
 
 
-def batch_of(
-    x: torch.Tensor, y: torch.Tensor, index: int, batch_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The index-th batch of a fixed shuffled order (deterministic; what the pool's lambda computes)."""
-    g = torch.Generator().manual_seed(1000 + index)
-    idx = torch.randint(0, x.shape[0], (batch_size,), generator=g)
-    return x[idx], y[idx]
-
-
 # ------------------------------------------------------------------------------------------------ the world
 def run_rank(rank: int, cfg: Config, train: Data, held_out: Data) -> dict[str, Any]:
     """What every process of the world runs; rank 0 is the primary reducer, the others train."""
     import pc_server
     from pc_distributed import get_world
+    from pc_server import GradLedger
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
@@ -235,14 +179,13 @@ def run_rank(rank: int, cfg: Config, train: Data, held_out: Data) -> dict[str, A
     try:
         result = {"rank": 0} if rank == 0 else train_worker(rank, cfg, server, train, held_out)
         done.barrier(cfg.timeout)  # the primary keeps serving until every worker is done
+        servers.stop(timeout=30.0)  # all ranks at once: the primary waits for the secondaries to drain
         servers.watch()  # re-raise a reducer thread's error, if any
+        result["ledger"] = GradLedger.merge(impl.ledger() for impl in servers.impls)
         if rank == 0:
             impl = servers.impls[0]
-            stats = impl.stats()
-            result["stats"] = {"steps": stats.steps, "applied": stats.applied, "version": stats.version}
+            result["steps"] = impl.stats().steps
             result["state_dict"] = {k: v.detach().cpu().clone() for k, v in impl.model.state_dict().items()}
-        result["dropped_stale"] = sum(impl.stats().dropped_stale for impl in servers.impls)
-        done.barrier(cfg.timeout)  # nobody stops its reducer while another still reads the stats
         return result
     finally:
         servers.stop(timeout=10.0)
@@ -327,20 +270,25 @@ def report(
     model.load_state_dict(primary["state_dict"])
     # A gradient server exchanges gradients, not buffers: the server's batch-norm running statistics were
     # never updated. Recompute them on training batches before evaluating (like swa_utils.update_bn).
-    recompute_bn_stats(model, train, cfg)
+    recompute_bn_stats(model, train, cfg.batch_size)
     loss, accuracy = evaluate(model, *held_out)
     base_loss, base_accuracy = evaluate(base, *held_out)
     _, initial_accuracy = evaluate(_initial_model(cfg), *held_out)
-    stats = primary.get("stats") or {}
+    from pc_server import GradLedger
+
+    ledger = GradLedger.merge(r["ledger"] for r in results).total
     samples = sum(w["samples"] for w in workers)
     seconds = max(w["seconds"] for w in workers)
     rows = [
         ("workers x replicas", f"{cfg.workers} x {cfg.replicas} ({cfg.device})"),
         ("steps (pushes) per worker", str(cfg.steps)),
         ("pushes in all", str(sum(w["pushes"] for w in workers))),
-        ("optimizer steps on the server", str(stats.get("steps", "n/a"))),
-        ("gradients applied", str(stats.get("applied", "n/a"))),
-        ("dropped stale gradients", str(sum(r.get("dropped_stale", 0) for r in results))),
+        ("ledger: accepted / applied", f"{ledger.accepted} / {ledger.applied}"),
+        (
+            "ledger: dropped stale / other",
+            f"{ledger.dropped_stale} / {ledger.dropped - ledger.dropped_stale}",
+        ),
+        ("optimizer steps on the server", str(primary["steps"])),
         ("held-out accuracy: initial model", f"{initial_accuracy:.4f}"),
         ("held-out accuracy: pc, asynchronous", f"{accuracy:.4f}"),
         ("held-out accuracy: single-process baseline", f"{base_accuracy:.4f}"),
@@ -348,7 +296,10 @@ def report(
         ("throughput (samples/s, all workers)", f"{samples / seconds:.0f}"),
     ]
     print_table(rows)
-    passed = accuracy >= MIN_ACCURACY and accuracy >= base_accuracy - MAX_GAP_TO_BASELINE
+    balanced = ledger.accepted == ledger.applied + ledger.dropped
+    if not balanced:
+        print(f"\nLEDGER DOES NOT BALANCE: {ledger}", flush=True)
+    passed = balanced and accuracy >= MIN_ACCURACY and accuracy >= base_accuracy - MAX_GAP_TO_BASELINE
     if passed:
         print("\nconverged", flush=True)
     else:
@@ -358,20 +309,6 @@ def report(
             flush=True,
         )
     return passed, accuracy, base_accuracy
-
-
-def recompute_bn_stats(model: nn.Module, train: Data, cfg: Config) -> None:
-    """Reset batch-norm running statistics and re-estimate them as a cumulative average over 20 batches."""
-    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    for bn in bns:
-        bn.reset_running_stats()
-        bn.momentum = None  # cumulative moving average
-    model.train()
-    with torch.no_grad():
-        for i in range(20):
-            model(batch_of(*train, i, cfg.batch_size)[0])
-    for bn in bns:
-        bn.momentum = 0.1
 
 
 def _initial_model(cfg: Config) -> nn.Module:
