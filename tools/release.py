@@ -7,7 +7,7 @@ is satisfied by a version that exists on the target index; builds the sdist and 
 build). ``bump PACKAGE PART`` sets a new version (``major``, ``minor``, ``patch`` or ``X.Y.Z``) and moves the
 CHANGELOG's "Unreleased" entries under a heading for it.
 
-Run from the repository root with a Python that has ``build``, ``twine`` and ``packaging`` (the nox sessions
+Run from the repository root with Python 3.11+ (tomllib) and ``build``, ``twine`` and ``packaging`` (the nox sessions
 install them)::
 
     python tools/release.py bump pc-pickle patch
@@ -275,7 +275,7 @@ def bump(root: Path, name: str, part: str, today: datetime.date | None = None) -
     body, nxt, tail = rest.partition("\n## ")
     if not body.strip():
         raise ReleaseError(f"{package.changelog}: nothing under '{_UNRELEASED}' to release as {new}")
-    date = (today or datetime.datetime.now(datetime.UTC).date()).isoformat()
+    date = (today or datetime.datetime.now(datetime.timezone.utc).date()).isoformat()
     package.changelog.write_text(f"{head}{_UNRELEASED}\n\n## {new} — {date}\n\n{body.strip()}\n{nxt}{tail}")
     package.about.write_text(_VERSION_RE.sub(f'__version__ = "{new}"', package.about.read_text(), count=1))
     print(f"{name}: {current} -> {new}", flush=True)
