@@ -33,6 +33,9 @@ EXTRA_TEST_DEPS: dict[str, list[str]] = {
 # The examples' own dependencies (never a pc package's): progress bars, the digits data, the plot, CartPole.
 DEMO_DEPS = ["tqdm>=4.60", "scikit-learn>=1.2", "matplotlib>=3.7", "gymnasium>=0.29"]
 BENCH_DEPS = ["tqdm>=4.60", "cloudpickle>=3", "loky>=3.4", "matplotlib>=3.7", "scipy>=1.9", "numpy>=1.24"]
+# What tools/release.py needs, and the real package index the release test starts on loopback.
+RELEASE_DEPS = ["build>=1.2", "twine>=5.1", "packaging>=23", "hatchling>=1.24"]
+INDEX_TEST_DEPS = [*RELEASE_DEPS, "pypiserver>=2.1"]
 DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26", "ruff>=0.6"]
 
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -159,17 +162,26 @@ for _package in PACKAGES:
         _pytest(session, f"packages/{package}/tests")
 
 
+def _uv_for_tests(session: nox.Session) -> None:
+    """Tell the release test where uv is (it makes one fresh venv per package; pip is its slow fallback)."""
+    uv = shutil.which("uv") or str(Path(sys.executable).with_name("uv"))
+    if Path(uv).is_file():
+        session.env["PC_UV"] = uv
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every package and the integration tests in one venv (the fast path used by README and CI)."""
-    _install_all(session, *DEMO_DEPS, "scipy>=1.9")
+    _install_all(session, *DEMO_DEPS, *INDEX_TEST_DEPS, "scipy>=1.9")
+    _uv_for_tests(session)
     _pytest(session, *[f"packages/{p}/tests" for p in PACKAGES], "tests-integration")
 
 
 @nox.session
 def integration(session: nox.Session) -> None:
     """Cross-package tests through the public APIs."""
-    _install_all(session, *DEMO_DEPS)
+    _install_all(session, *DEMO_DEPS, *INDEX_TEST_DEPS)
+    _uv_for_tests(session)
     _pytest(session, "tests-integration")
 
 
@@ -247,3 +259,26 @@ def bench(session: nox.Session) -> None:
     _install(session, *PACKAGES, *BENCH_DEPS)
     _check_torch_build(session)
     session.run("python", "benchmarks/run_all.py", *session.posargs)
+
+
+@nox.session
+def release(session: nox.Session) -> None:
+    """Release one package: ``nox -s release -- pc-pickle [--tag T] [--index-url U] [--repository-url R]``.
+
+    Checks that the tag, ``__about__.py`` and the CHANGELOG agree and that every sibling range is satisfied on
+    the target index, builds, runs ``twine check --strict`` and uploads (no ``--repository-url``: a dry run).
+    The release workflow runs this session; see tools/release.py.
+    """
+    if not session.posargs:
+        session.error("name the package: nox -s release -- pc-<name> [options]")
+    session.install(*RELEASE_DEPS)
+    session.run("python", "tools/release.py", "release", *session.posargs)
+
+
+@nox.session
+def bump(session: nox.Session) -> None:
+    """Bump one package: ``nox -s bump -- pc-pickle patch`` (or major, minor, X.Y.Z); CHANGELOG included."""
+    if len(session.posargs) != 2:
+        session.error("usage: nox -s bump -- pc-<name> major|minor|patch|X.Y.Z")
+    session.install("packaging>=23")
+    session.run("python", "tools/release.py", "bump", *session.posargs)
