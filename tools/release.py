@@ -7,8 +7,8 @@ is satisfied by a version that exists on the target index; builds the sdist and 
 build). ``bump PACKAGE PART`` sets a new version (``major``, ``minor``, ``patch`` or ``X.Y.Z``) and moves the
 CHANGELOG's "Unreleased" entries under a heading for it.
 
-Run from the repository root with Python 3.11+ (tomllib) and ``build``, ``twine`` and ``packaging`` (the nox sessions
-install them)::
+Run from the repository root with Python 3.11+ (tomllib) and ``build``, ``twine`` and ``packaging`` (the nox
+sessions install them)::
 
     python tools/release.py bump pc-pickle patch
     python tools/release.py release pc-pickle --tag pc-pickle-v0.1.1 --index-url https://pypi.org/simple/
