@@ -60,6 +60,30 @@ def median_time(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1, numb
     return statistics.median(samples)
 
 
+def interleaved_min(
+    fns: dict[str, Callable[[], Any]], repeat: int, number: int = 1, sync: Callable[[], Any] | None = None
+) -> dict[str, float]:
+    """Per variant, the min over ``repeat`` interleaved rounds of the mean time of ``number`` calls.
+
+    The variants run round by round, so a load drift hits them all alike. ``sync`` (e.g.
+    ``torch.cuda.synchronize``) runs after the warm-up and after each variant's calls, inside the timing.
+    """
+    for fn in fns.values():
+        fn()
+    if sync is not None:
+        sync()
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            if sync is not None:
+                sync()
+            best[name] = min(best[name], (time.perf_counter() - start) / number)
+    return best
+
+
 @dataclass
 class Row:
     """One measurement: a case, an implementation, a value and its unit (lower is better unless noted)."""

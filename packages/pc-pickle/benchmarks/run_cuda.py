@@ -12,13 +12,12 @@ import pathlib
 import pickle
 import sys
 import time
-from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benchmarks"))
 import torch
-from benchlib import Report, bench_args
+from benchlib import Report, bench_args, interleaved_min
 
 import pc_pickle
 
@@ -28,21 +27,6 @@ def _torch_save_round_trip(obj: Any) -> Any:
     torch.save(obj, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=False)
-
-
-def _timed_min(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
-    """Min wall time per variant over interleaved rounds; each call ends with a device synchronize."""
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    best = {name: float("inf") for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -59,13 +43,14 @@ def main() -> None:
     mb = 16 if args.quick else 256
     big = {"weight": torch.randn(mb * 1_000_000 // 4, device="cuda"), "step": 3}
     case = f"(cuda) {mb} MB CUDA tensor dumps+loads"
-    t = _timed_min(
+    t = interleaved_min(
         {
             "pc_pickle": lambda: pc_pickle.loads(pc_pickle.dumps(big)),
             "pickle5": lambda: pickle.loads(pickle.dumps(big, protocol=5)),
             "torch.save/load": lambda: _torch_save_round_trip(big),
         },
         repeat,
+        sync=torch.cuda.synchronize,
     )
     out = pc_pickle.loads(pc_pickle.dumps(big))
     if out["weight"].device != big["weight"].device or not torch.equal(out["weight"], big["weight"]):

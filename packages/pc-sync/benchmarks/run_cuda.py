@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pathlib
 import sys
-import time
 from collections.abc import Callable
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benchmarks"))
 import torch
-from benchlib import Report, bench_args
+from benchlib import Report, bench_args, interleaved_min
 from torch import nn
 
 from pc_replicate import ReplicationCallbackDataParallel
@@ -31,22 +30,6 @@ def _train_step(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable
         module(x).backward(g)
 
     return step
-
-
-def _timed_min(fns: dict[str, Callable[[], None]], repeat: int, number: int) -> dict[str, float]:
-    """Min over interleaved rounds of the mean time of ``number`` calls, device-synchronized."""
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    best = {name: float("inf") for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(number):
-                fn()
-            torch.cuda.synchronize()
-            best[name] = min(best[name], (time.perf_counter() - start) / number)
-    return best
 
 
 def main() -> None:
@@ -69,7 +52,7 @@ def main() -> None:
         plain = nn.BatchNorm2d(shape[1]).cuda()
         ours_dp = ReplicationCallbackDataParallel(SynchronizedBatchNorm2d(shape[1]).cuda(), device_ids=[0])
         plain_dp = nn.DataParallel(nn.BatchNorm2d(shape[1]).cuda(), device_ids=[0])
-        t = _timed_min(
+        t = interleaved_min(
             {
                 "SyncBN2d": _train_step(ours, x, g),
                 "BatchNorm2d": _train_step(plain, x, g),
@@ -78,6 +61,7 @@ def main() -> None:
             },
             repeat,
             number,
+            sync=torch.cuda.synchronize,
         )
         case = f"(cuda) train step {label}"
         for name, value in t.items():
@@ -96,7 +80,7 @@ def main() -> None:
             module.eval()
             evals[name] = lambda m=module, inp=xd: m(inp)
         with torch.no_grad():
-            t = _timed_min(evals, repeat, number)
+            t = interleaved_min(evals, repeat, number, sync=torch.cuda.synchronize)
         for name, value in t.items():
             report.row(f"(cuda) eval {label}", name, value, baseline=(name == "BatchNorm2d"))
     if torch.cuda.device_count() < 2:
