@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             (f"mean return of a random policy, {cfg.eval_episodes} episodes", f"{random_mean:.1f}"),
         ]
     )
-    ledger_ok = ledger.accepted == ledger.applied + ledger.dropped and ledger.accepted == pushes
+    answered = ledger.accepted + ledger.refused_stale + ledger.duplicates
+    ledger_ok = ledger.accepted == ledger.applied + ledger.dropped and answered == pushes
     if not ledger_ok:
         print(f"\nLEDGER DOES NOT BALANCE: {ledger}", flush=True)
     solved = mean_return >= cfg.target

@@ -283,11 +283,8 @@ def report(
         ("workers x replicas", f"{cfg.workers} x {cfg.replicas} ({cfg.device})"),
         ("steps (pushes) per worker", str(cfg.steps)),
         ("pushes in all", str(sum(w["pushes"] for w in workers))),
-        ("ledger: accepted / applied", f"{ledger.accepted} / {ledger.applied}"),
-        (
-            "ledger: dropped stale / other",
-            f"{ledger.dropped_stale} / {ledger.dropped - ledger.dropped_stale}",
-        ),
+        ("ledger: accepted / refused as stale", f"{ledger.accepted} / {ledger.refused_stale}"),
+        ("ledger: applied / dropped", f"{ledger.applied} / {ledger.dropped}"),
         ("optimizer steps on the server", str(primary["steps"])),
         ("held-out accuracy: initial model", f"{initial_accuracy:.4f}"),
         ("held-out accuracy: pc, asynchronous", f"{accuracy:.4f}"),

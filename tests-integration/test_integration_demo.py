@@ -26,7 +26,14 @@ def test_demo_on_digits_reaches_the_accuracy_bar_and_saves_a_plot(tmp_path: Path
     assert "digits (1437 training / 360 held-out images)" in out
     assert "placement of the model's parts (features, head): ['cpu', 'cpu']" in out
     assert re.search(r"^pushes in all +80$", out, re.M), out
-    assert re.search(r"^ledger: accepted / applied +80 / \d+$", out, re.M), out
+    ledger = re.search(r"^ledger: accepted / refused as stale +(\d+) / (\d+)$", out, re.M)
+    assert ledger, out
+    assert int(ledger.group(1)) + int(ledger.group(2)) == 80  # every push answered: taken or refused
+    kept = re.search(r"^ledger: applied / dropped +(\d+) / (\d+)$", out, re.M)
+    assert kept, out
+    assert int(kept.group(1)) + int(kept.group(2)) == int(
+        ledger.group(1)
+    )  # every accepted push accounted for
     accuracy = float(re.search(r"held-out accuracy: pc, asynchronous\s+([0-9.]+)", out).group(1))  # type: ignore[union-attr]
     baseline = float(re.search(r"held-out accuracy: single-process baseline\s+([0-9.]+)", out).group(1))  # type: ignore[union-attr]
     assert accuracy >= 0.95
