@@ -23,6 +23,8 @@ from integration_docs import (
     run_script,
     scripts,
 )
+from integration_docs_site import find_quoted_prompts
+from integration_docs_site import main as site_main
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -187,3 +189,45 @@ def test_docs_shell_checks(tmp_path: Path) -> None:
     (expensive,) = parse_blocks(_doc(tmp_path, "```bash\nnox -s tests\n```\n"))
     with pytest.raises(DocsMarkupError, match="cannot run 'nox -s tests'"):
         check_shell_block(expensive)
+
+
+# The API reference: examples in docstrings must render as code (the site itself is checked by nox -s docs).
+
+_BROKEN = """<details class="example" open><summary>Example</summary>
+<blockquote>
+<blockquote>
+<blockquote>
+<p>with BasePool(2) as pool:
+...     pool.map(lambda x: x * 2, range(4))
+[0, 2, 4, 6]</p>
+</blockquote>
+</blockquote>
+</blockquote>
+</details>"""
+_GOOD = """<details class="quote"><summary>Examples</summary><div class="language-pycon highlight"><pre><code>
+<span class="gp">&gt;&gt;&gt; </span><span class="n">pool</span></code></pre></div></details>
+<blockquote><p>A quotation, with no prompt.</p></blockquote>"""
+
+
+def test_docs_site_check_finds_doctests_rendered_as_blockquotes(tmp_path: Path) -> None:
+    assert find_quoted_prompts(_BROKEN) == [
+        "with BasePool(2) as pool: ... pool.map(lambda x: x * 2, range(4)) [0, 2, 4, 6]"
+    ]
+    assert find_quoted_prompts("<blockquote><p>&gt;&gt;&gt; f(1)</p></blockquote>") == [">>> f(1)"]
+    assert find_quoted_prompts(_GOOD) == []
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "index.html").write_text(_GOOD)
+    assert site_main([str(tmp_path)]) == 0
+    (tmp_path / "api" / "bad.html").write_text(_BROKEN)
+    assert site_main([str(tmp_path)]) == 1
+
+
+def test_docs_docstrings_use_the_examples_section() -> None:
+    """griffe knows ``Examples:``; a bare ``Example:`` becomes an admonition that mangles ``>>>`` lines."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted(ROOT.glob("packages/*/src/**/*.py"))
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if re.fullmatch(r"\s*Example:\s*", line)
+    ]
+    assert not offenders, f"write 'Examples:' (plural) in: {offenders}"
