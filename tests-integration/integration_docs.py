@@ -8,7 +8,8 @@ The rules, also stated in CONTRIBUTING.md:
 * A block preceded by ``<!-- docs-test: continue -->`` is a fragment: it is appended to the block before it,
   and the joined blocks run once, as one script. Every other block is a script of its own.
 * A block preceded by ``<!-- docs-test: skip (reason) -->`` does not run; the reason is mandatory.
-* Shell blocks (```` ```bash ````, ``sh``, ``shell``, ``console``) are checked command by command:
+* Shell blocks (```` ```bash ````, ``sh``, ``shell``, ``console``; in ``console`` only the lines after a
+  ``$`` prompt) are checked command by command:
   ``pip install ...`` lines are resolved against the clone (every ``pc-*`` name must be a package of this
   repository and every extra one it declares; nothing is downloaded); ``nox -l`` runs. Any other command
   makes the test fail unless the block is marked skip with a reason (they install things, or take minutes).
@@ -179,13 +180,18 @@ class ShellCheck:
     commands: list[list[str]]
 
 
-def _commands(code: str) -> list[list[str]]:
-    """A shell block's commands: continuation lines joined, comments and prompts dropped, ``&&`` split."""
+def _commands(code: str, lang: str) -> list[list[str]]:
+    """A shell block's commands: continuation lines joined, comments dropped, ``&&`` split.
+
+    In a ``console`` block only the lines after a ``$ `` prompt are commands; the rest is their output.
+    """
     text = code.replace("\\\n", " ")
     commands: list[list[str]] = []
     for raw in text.splitlines():
         line = raw.strip()
-        if line.startswith("$ "):
+        if lang == "console":
+            if not line.startswith("$ "):
+                continue
             line = line[2:]
         words = shlex.split(line, comments=True)
         current: list[str] = []
@@ -207,7 +213,7 @@ def check_shell_block(block: Block) -> ShellCheck:
     """
     requirements: list[str] = []
     run: list[list[str]] = []
-    for words in _commands(block.code):
+    for words in _commands(block.code, block.lang):
         prog = Path(words[0]).name
         if prog in ("pip", "pip3") and words[1:2] == ["install"]:
             args = words[2:]
