@@ -9,6 +9,7 @@ Usage::
 
     python benchmarks/run_all.py                 # everything
     python benchmarks/run_all.py pc-pool --quick # one package, smoke sizes
+    python benchmarks/run_all.py --replot        # plots and report again from bench-results/, no run
 """
 
 from __future__ import annotations
@@ -108,28 +109,79 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict[str, Any]) -> None:
-    """One horizontal bar chart per package: each non-baseline row's ratio to its case's baseline."""
+def cost_ratio(row: dict[str, Any]) -> float:
+    """A row's ratio in one direction, lower is better: a time ratio as it is, a throughput ratio inverted."""
+    ratio = float(row["ratio"])
+    return 1.0 / ratio if row.get("higher_is_better") else ratio
+
+
+def plot_title(result: dict[str, Any]) -> str:
+    """The chart's title: the package, when the run was and on what machine (what the result records)."""
+    env = result.get("environment") or {}
+    quick = ", --quick sizes" if result.get("quick") else ""
+    machine = [
+        f"{env['cpus']} CPUs" if env.get("cpus") else "",
+        str(env.get("platform") or ""),
+        f"torch {env['torch']}" if env.get("torch") else "",
+        f"Python {env['python']}" if env.get("python") else "",
+    ]
+    return f"{result['package']} against its peers: run {result.get('run_at', '?')}{quick}\n" + ", ".join(
+        m for m in machine if m
+    )
+
+
+def plot_figure(result: dict[str, Any]) -> Any:
+    """One horizontal bar chart per package, every bar a cost ratio to its case's baseline (lower is better).
+
+    Returns the matplotlib figure, or None when the result has no ratio to draw.
+    """
     rows = [r for r in result["rows"] if not r["baseline"] and r["ratio"] is not None]
     if not rows:
-        return
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
-    labels = [f"{r['case']} — {r['impl']}" for r in rows]
-    ratios = [r["ratio"] for r in rows]
-    fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.4))
-    ax.barh(range(len(rows)), ratios, color=["#3b7" if v <= 1 else "#c73" for v in ratios])
+    labels = [
+        f"{r['case']} — {r['impl']}" + (" (1 / throughput)" if r.get("higher_is_better") else "")
+        for r in rows
+    ]
+    ratios = [cost_ratio(r) for r in rows]
+    better, worse = "#3b7", "#c73"
+    fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 2.2))
+    ax.barh(range(len(rows)), ratios, color=[better if v <= 1 else worse for v in ratios])
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel("ratio to the case's baseline (log scale; meaning per row in the table)")
-    ax.set_title(result["package"])
+    ax.set_xlabel(
+        "cost relative to the case's baseline: time ratio, or 1 / throughput ratio (log; lower is better)"
+    )
+    ax.set_title(plot_title(result), fontsize=9)
+    ax.legend(
+        handles=[
+            Patch(color=better, label="better than the baseline (< 1)"),
+            Patch(color=worse, label="worse than the baseline (> 1)"),
+            Line2D([0], [0], color="black", linewidth=0.8, label="the baseline (= 1)"),
+        ],
+        loc="lower right",
+        fontsize=7,
+    )
     fig.tight_layout()
     fig.subplots_adjust(left=0.45)  # room for the long case labels
+    return fig
+
+
+def plot(result: dict[str, Any]) -> None:
+    """Write the package's chart to ``docs/assets/bench/<package>.png``."""
+    fig = plot_figure(result)
+    if fig is None:
+        return
+    import matplotlib.pyplot as plt
+
     PLOTS.mkdir(parents=True, exist_ok=True)
     fig.savefig(PLOTS / f"{result['package']}.png", dpi=110)
     plt.close(fig)
@@ -142,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("packages", nargs="*", help="packages to run (default: all), e.g. pc-pool")
     parser.add_argument("--quick", action="store_true", help="smoke sizes")
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="redraw the plots and the report from bench-results/ without running",
+    )
     args = parser.parse_args(argv)
     known = _packages()
     unknown = [p for p in args.packages if p not in known]
@@ -150,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(exist_ok=True)
     results = []
     for package in args.packages or known:
-        result = run_package(package, args.quick)
+        stored_json = RESULTS / f"{package}.json"
+        if args.replot and not stored_json.exists():
+            print(f"{package}: no {stored_json.relative_to(ROOT)} to replot", file=sys.stderr)
+            continue
+        result = json.loads(stored_json.read_text()) if args.replot else run_package(package, args.quick)
         plot(result)
         results.append(result)
     # The report covers every package with results on disk: a run of one package updates its own section.
