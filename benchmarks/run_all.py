@@ -113,7 +113,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 lines.append(f"| {r['case']} | {r['impl']} | {_fmt(r['value'])} {r['unit']} | {ratio} |")
         if res["package"] and PLOTS.joinpath(f"{res['package']}.png").exists():
             lines += ["", f"![{res['package']} ratios](assets/bench/{res['package']}.png)"]
-        lines += [f"- {n}" for n in res["notes"]]
+        if res["notes"]:
+            lines += ["", *[f"- {n}" for n in res["notes"]]]  # a list of its own, not part of the line above
     return "\n".join(lines) + "\n"
 
 
