@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -23,7 +24,7 @@ from integration_docs import (
     run_script,
     scripts,
 )
-from integration_docs_site import find_quoted_prompts
+from integration_docs_site import find_quoted_prompts, find_sphinx_roles
 from integration_docs_site import main as site_main
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -231,3 +232,23 @@ def test_docs_docstrings_use_the_examples_section() -> None:
         if re.fullmatch(r"\s*Example:\s*", line)
     ]
     assert not offenders, f"write 'Examples:' (plural) in: {offenders}"
+
+
+def test_docs_site_check_finds_sphinx_roles_left_as_text() -> None:
+    html = "<p>Public API: :class: <code>Pickler</code>, :func: <code>dumps</code></p>"
+    assert find_sphinx_roles(html) == ["Public API: :class:", ", :func:"]
+    assert find_sphinx_roles("<p>see <code>:class:`x`</code></p><pre>:func:</pre>") == []  # code is code
+
+
+def test_docs_griffe_extension_rewrites_sphinx_roles() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "griffe_roles", ROOT / "docs" / "hooks" / "griffe_sphinx_roles.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    if importlib.util.find_spec("griffe") is None:
+        pytest.skip("griffe is installed by nox -s docs, not in the test venv")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = "Raises :class:`~pc_pool.PoolTerminatedError`; see :meth:`repopulate_pool` and :py:mod:`torch.mp`."
+    assert module.strip_roles(text) == "Raises `PoolTerminatedError`; see `repopulate_pool` and `torch.mp`."
