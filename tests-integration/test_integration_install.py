@@ -40,6 +40,7 @@ def _run(*args: str | Path, timeout: float = 240) -> subprocess.CompletedProcess
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # three pip runs; 90 s on a loaded 2-core machine
 @pytest.mark.skipif(importlib.util.find_spec("ensurepip") is None, reason="this Python has no ensurepip")
 def test_install_one_package_with_its_siblings_from_a_wheelhouse(tmp_path: Path) -> None:
     venv, wheelhouse, report = tmp_path / "venv", tmp_path / "dist", tmp_path / "report.json"

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from integration_docs import ROOT, parse_blocks
 
 GUIDE = ROOT / "docs" / "distributed.md"
@@ -29,6 +30,7 @@ def _torchrun_example() -> str:
     return blocks[0].code
 
 
+@pytest.mark.timeout(300)
 def test_torchrun_example_of_the_guide_runs_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "hello_torchrun.py"
     script.write_text(_torchrun_example())
@@ -54,7 +56,7 @@ def test_torchrun_example_of_the_guide_runs_under_torchrun(tmp_path: Path) -> No
         start_new_session=True,
     ) as proc:
         try:
-            out, err = proc.communicate(timeout=150)
+            out, err = proc.communicate(timeout=240)
         finally:  # the agent and both workers, on timeout or anything left behind
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
