@@ -213,6 +213,8 @@ def docs(session: nox.Session) -> None:
     """Build the documentation site with --strict."""
     session.install(*DOCS_DEPS)
     session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"))
+    # API examples must render as code: no doctest prompt left inside a blockquote.
+    session.run("python", "tests-integration/integration_docs_site.py", str(ROOT / "site"))
 
 
 @nox.session

@@ -64,7 +64,7 @@ class ModelSizeEstimator:
             ``example_inputs`` not a tuple.
         ValueError: if ``size_multiplier`` is negative or not finite.
 
-    Example:
+    Examples:
         >>> est = ModelSizeEstimator(torch.nn.Linear(3, 4), size_multiplier=1)
         >>> est.get_parameter_sizes() * 2**20  # 12 weights + 4 biases, float32
         64.0

@@ -114,7 +114,7 @@ class PlacementProblem:
         alpha: Weight of the makespan term.
         beta: Weight of the communication term.
 
-    Example:
+    Examples:
         >>> p = PlacementProblem(sizes=[1, 1], compute=[1, 1], capacities=[2, 2], speeds=[1, 1],
         ...                      distance=[[0, 1], [1, 0]], traffic={(0, 1): 0.5})
         >>> placement_cost(p, [0, 1]).total

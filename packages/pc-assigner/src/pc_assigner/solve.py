@@ -137,7 +137,7 @@ def solve_placement(
         ImportError: for ``"ilp"`` without scipy.
         InfeasiblePlacementError: if no placement fits (``proven`` tells whether that is certain).
 
-    Example:
+    Examples:
         >>> p = PlacementProblem(sizes=(3, 3), compute=(1, 1), capacities=(4, 4), speeds=(1, 1),
         ...                      distance=((0, 1), (1, 0)), traffic={(0, 1): 0.5})
         >>> solve_placement(p).assignment

@@ -392,7 +392,7 @@ def staleness_merge(local: torch.Tensor, total: torch.Tensor, staleness: int, no
     Returns:
         The merged parameters.
 
-    Example:
+    Examples:
         >>> staleness_merge(torch.tensor([1.0]), torch.tensor([4.0]), staleness=1, nodes=2)
         tensor([1.5000])
     """

@@ -40,7 +40,7 @@ def phase_of(epoch: int, warmup_epochs: int, cooldown_epochs: int, total_epochs:
     Returns:
         The phase name.
 
-    Example:
+    Examples:
         >>> [phase_of(e, 2, 1, 5) for e in range(5)]
         ['warmup', 'warmup', 'cycling', 'cycling', 'cooldown']
     """
@@ -79,7 +79,7 @@ def next_skips(
     Returns:
         The new values.
 
-    Example:
+    Examples:
         >>> kw = dict(warmup_epochs=1, cooldown_epochs=1, total_epochs=9, max_global_skips=8,
         ...           skip_reduction_factor=2, local_skip_factor=4)
         >>> next_skips(SkipState(0, 0, 0), 1, False, **kw)
@@ -117,7 +117,7 @@ class PlateauDetector:
     Raises:
         ValueError: If ``patience < 0`` or ``threshold`` is outside ``[0, 1)``.
 
-    Example:
+    Examples:
         >>> d = PlateauDetector(patience=1, threshold=0.1)
         >>> [d.step(v) for v in [10.0, 9.5, 9.4, 8.0]]
         [False, False, True, False]

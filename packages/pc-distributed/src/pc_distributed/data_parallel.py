@@ -123,7 +123,7 @@ class DataParallel(nn.Module):
             models differ across ranks (on every rank, so none is left waiting).
         RuntimeError: If torch.distributed is not initialised.
 
-    Example:
+    Examples:
         >>> opt = DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # doctest: +SKIP
         >>> dp = DataParallel(model, optimizer=opt, blocking_parameter_updates=True)  # doctest: +SKIP
         >>> loss_fn(dp(x), y).backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP

@@ -34,7 +34,7 @@ class DataParallelOptimizer:
     Raises:
         TypeError: If ``torch_optimizer`` is not a ``torch.optim.Optimizer`` or ``blocking`` is not a bool.
 
-    Example:
+    Examples:
         >>> opt = DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # doctest: +SKIP
         >>> dp = DataParallel(model, optimizer=opt)  # doctest: +SKIP
     """

@@ -163,7 +163,7 @@ def run_world(
     A failure raised here carries ``run_world_results``: a dict of the results of the ranks that did return,
     by rank (e.g. the survivors of a killed worker).
 
-    Example:
+    Examples:
         >>> def hello(rank: int) -> str:
         ...     return f"rank {rank} of {pc_distributed.get_world().world_size}"
         >>> run_world(hello, 2)  # doctest: +SKIP

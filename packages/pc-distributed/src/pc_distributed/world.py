@@ -77,7 +77,7 @@ class World:
         ValueError: On out-of-range arguments or duplicate member names.
         TimeoutError: If the other ranks do not join within ``dist_timeout``.
 
-    Example:
+    Examples:
         >>> world = World(name="0")  # a one-process world on a free loopback port
         >>> world.get_members()
         ['0']

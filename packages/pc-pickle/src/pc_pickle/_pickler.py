@@ -188,7 +188,7 @@ class Pickler(pickle.Pickler):
     Raises:
         TypeError: If ``file`` has no ``write`` method, or a flag is not a bool.
 
-    Example:
+    Examples:
         >>> import io, torch
         >>> buf = io.BytesIO()
         >>> Pickler(buf, copy_tensor=True).dump({"w": torch.ones(2), "f": lambda x: x + 1})
@@ -254,7 +254,7 @@ def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
         UnpicklableObjectError: (a :class:`pickle.PicklingError`) if something in ``obj`` cannot be pickled.
         TypeError: If a flag is not a bool.
 
-    Example:
+    Examples:
         >>> import torch
         >>> w = torch.arange(6.0).view(2, 3)
         >>> out = loads(dumps({"w": w, "t": w.t()}))

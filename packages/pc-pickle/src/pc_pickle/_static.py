@@ -36,7 +36,7 @@ def mark_static_module(module: types.ModuleType) -> None:
     Raises:
         TypeError: If ``module`` is not a module object.
 
-    Example:
+    Examples:
         >>> import json
         >>> mark_static_module(json)
         >>> mark_static_module(json)  # harmless

@@ -1,5 +1,7 @@
 """Process and thread pools for PyTorch that run lambdas, share tensors and never hang."""
 
+# First: it imports torch with torch's "Failed to initialize NumPy" warning ignored (pc-pool needs no numpy).
+from pc_pool import _quiet  # isort: skip  # noqa: F401
 from pc_pool.__about__ import __version__
 from pc_pool.errors import PoolTerminatedError, RemoteTraceback, WorkerDiedError
 from pc_pool.pool import BasePool, PoolStates

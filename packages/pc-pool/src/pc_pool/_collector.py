@@ -36,6 +36,7 @@ from pc_pool._protocol import (
     recv_msg,
     unread_bytes,
 )
+from pc_pool._quiet import quiet_numpy_warning_in_children
 from pc_pool._records import Chunk, WorkerHandle
 from pc_pool.errors import PoolTerminatedError, RemoteTraceback, WorkerDiedError
 from pc_pool.worker import worker_main
@@ -154,7 +155,8 @@ class CollectorMixin(EngineState):
                 name=f"pc_pool-worker-{index}",
                 daemon=self._daemon,
             )
-            process.start()
+            with quiet_numpy_warning_in_children():  # spawned workers start with that -W option
+                process.start()
         except BaseException:
             for conn in (task_r, task_w, result_r, result_w):
                 conn.close()

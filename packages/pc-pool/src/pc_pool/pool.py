@@ -74,7 +74,7 @@ class BasePool(FeederMixin, CollectorMixin, PoolFrontend):
         ValueError: ``processes < 1`` or ``maxtasksperchild < 1``.
         TypeError: ``initializer`` is not callable, or a count is not an int.
 
-    Example:
+    Examples:
         >>> with BasePool(2) as pool:  # doctest: +SKIP
         ...     pool.map(lambda x: x * 2, range(4))
         [0, 2, 4, 6]

@@ -69,7 +69,7 @@ class Pool(BasePool):
         ValueError: Invalid counts, or an invalid or missing ``share_method``.
         TypeError: ``initializer`` is not callable.
 
-    Example:
+    Examples:
         >>> import torch  # doctest: +SKIP
         >>> with Pool(2, share_method="cpu") as pool:
         ...     pool.map(lambda t: float(t.sum()), [torch.ones(3) * i for i in range(3)])

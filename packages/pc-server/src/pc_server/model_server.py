@@ -108,7 +108,7 @@ class PushPullModelServer:
         model_name: The model's key in the ordered server.
         o_server: The ordered server accessor (the Impl passes its own).
 
-    Example:
+    Examples:
         >>> server = group.get_paired("model_server").to_here()  # doctest: +SKIP
         >>> if not server.push(model):  # refused: model now holds the newest state  # doctest: +SKIP
         ...     pass

@@ -82,7 +82,7 @@ class OrderedServerSimple(OrderedServerBase):
         server_name: The name the Impl was created with.
         group: The RpcGroup the Impl serves in.
 
-    Example:
+    Examples:
         >>> server = group.get_paired("kv").to_here()  # doctest: +SKIP
         >>> server.push("a", torch.zeros(3), version=1, prev_version=None)  # doctest: +SKIP
         True

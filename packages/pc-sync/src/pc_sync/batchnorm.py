@@ -281,7 +281,7 @@ class SynchronizedBatchNorm2d(_SyncBNMixin, nn.BatchNorm2d):
         bias: With ``affine``, whether the module has a learnable ``bias``.
         sync_timeout: Seconds a replica waits for its peers in one exchange before ``SyncTimeoutError``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> bn = SynchronizedBatchNorm2d(3)
         >>> bn(torch.randn(4, 3, 2, 2)).shape

@@ -76,7 +76,7 @@ class FutureResult:
     ``None`` is an ordinary value. After :meth:`set_exception` the slot is closed for good: every ``get``
     raises :class:`~pc_sync.errors.SyncAbortedError` chained to that exception.
 
-    Example:
+    Examples:
         >>> slot = FutureResult()
         >>> slot.put(None)
         >>> slot.get(timeout=1.0) is None
@@ -208,7 +208,7 @@ class SyncMaster:
     Args:
         master_callback: The reduction run by the master once all messages are in.
 
-    Example:
+    Examples:
         >>> import threading
         >>> master = SyncMaster(lambda msgs: [(i, sum(m for _, m in msgs)) for i, _ in msgs])
         >>> pipe = master.register_slave(1)

@@ -45,7 +45,7 @@ def convert_model(module: nn.Module) -> nn.Module:
         ValueError: If the model holds an uninitialized lazy batch norm (run one forward first).
         ImportError: If ``module`` is a ``DataParallel`` and pc-replicate is not installed.
 
-    Example:
+    Examples:
         >>> import torch
         >>> net = convert_model(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4)))
         >>> type(net[1]).__name__

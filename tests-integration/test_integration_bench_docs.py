@@ -1,0 +1,128 @@
+"""Benchmark numbers in the docs are generated, never typed; the plots read one way and name their run.
+
+The guides include ``docs/bench-tables/<package>.md``, cut from the generated report by benchmarks/run_all.py,
+so a guide and the report cannot disagree; a guide's Performance section types no measurement of its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_ALL = ROOT / "benchmarks" / "run_all.py"
+# A number with the unit of a measurement: a ratio (x or the multiplication sign), a time, a rate, a size.
+MEASUREMENT = re.compile("\\d[\\d.,]*\\s*(?:\u00d7|" r"x\b|%|s\b|ms\b|µs\b|us\b|/s\b|M\b|B\b|bytes\b)")
+
+
+def _run_all() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_run_all", RUN_ALL)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RESULT = {
+    "package": "pc-demo",
+    "run_at": "2026-11-21 22:06 UTC",
+    "quick": False,
+    "environment": {"cpus": 2, "platform": "Linux-x86_64", "torch": "2.13.0+cpu", "python": "3.11.7"},
+    "rows": [
+        {"case": "t", "impl": "peer", "value": 1.0, "unit": "s", "baseline": True, "ratio": None},
+        {"case": "t", "impl": "ours", "value": 0.5, "unit": "s", "baseline": False, "ratio": 0.5},
+        {"case": "r", "impl": "peer", "value": 100.0, "unit": "/s", "baseline": True, "ratio": None},
+        {"case": "r", "impl": "ours", "value": 400.0, "unit": "/s", "baseline": False, "ratio": 4.0,
+         "higher_is_better": True},
+    ],
+}  # fmt: skip
+
+
+def test_bench_plot_ratios_all_read_lower_is_better() -> None:
+    run_all = _run_all()
+    time_row, rate_row = RESULT["rows"][1], RESULT["rows"][3]
+    assert run_all.cost_ratio(time_row) == 0.5
+    assert run_all.cost_ratio(rate_row) == 0.25  # 4x the throughput costs a quarter
+
+
+def test_bench_plot_title_names_date_and_machine() -> None:
+    title = _run_all().plot_title(RESULT)
+    for part in ("pc-demo", "2026-11-21 22:06 UTC", "2 CPUs", "Linux-x86_64", "torch 2.13.0+cpu"):
+        assert part in title
+
+
+def test_bench_plot_has_a_legend_and_one_direction() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    fig = _run_all().plot_figure(RESULT)
+    try:
+        (ax,) = fig.axes
+        legend = ax.get_legend()
+        assert legend is not None
+        assert [t.get_text() for t in legend.get_texts()] == [
+            "better than the baseline (< 1)",
+            "worse than the baseline (> 1)",
+            "the baseline (= 1)",
+        ]
+        assert "lower is better" in ax.get_xlabel()
+        assert [round(p.get_width(), 6) for p in ax.patches] == [0.5, 0.25]
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["t — ours", "r — ours (1 / throughput)"]
+    finally:
+        plt.close(fig)
+
+
+def test_bench_fragments_are_cut_from_the_committed_report() -> None:
+    run_all = _run_all()
+    expected = run_all.fragments_from_report((ROOT / "docs" / "benchmarks-report.md").read_text())
+    committed = {p.stem: p.read_text() for p in sorted((ROOT / "docs" / "bench-tables").glob("*.md"))}
+    assert sorted(committed) == sorted(expected)
+    for package, text in expected.items():
+        assert committed[package] == text, (
+            f"docs/bench-tables/{package}.md differs: run benchmarks/run_all.py"
+        )
+
+
+def test_bench_fragment_holds_the_package_targets_and_table() -> None:
+    report = "### Targets\n\n| package | target |\n| --- | --- |\n| pc-a | speed | 2x | <= 3x | yes |\n"
+    report += "| pc-b | size | 1B | <= 2B | yes |\n\n### pc-a\n\nrun today\n\n| case | impl |\n- a note\n"
+    fragments = _run_all().fragments_from_report(report)
+    assert list(fragments) == ["pc-a"]
+    assert fragments["pc-a"].splitlines() == [
+        _run_all().FRAGMENT_HEADER,
+        "",
+        "| target | measured | bound | met |",
+        "| --- | --- | --- | --- |",
+        "| speed | 2x | <= 3x | yes |",  # pc-a's target only, without the package column
+        "",
+        "run today",
+        "",
+        "| case | impl |",
+        "- a note",
+    ]
+
+
+def _performance_sections(text: str) -> list[str]:
+    return re.findall(r"^#{2,3} Performance\n(.*?)(?=^#{1,3} |\Z)", text, flags=re.S | re.M)
+
+
+def test_bench_guides_type_no_measurement_in_their_performance_sections() -> None:
+    guides = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "benchmarks-report.md"]
+    offenders = []
+    for guide in guides:
+        for section in _performance_sections(guide.read_text()):
+            for line in section.splitlines():
+                if line.startswith("--8<--"):
+                    continue
+                prose = re.sub(r"`[^`]*`|\]\([^)]*\)", "", line)  # code and link targets are not measurements
+                offenders += [f"{guide.name}: {line.strip()}" for _ in MEASUREMENT.findall(prose)[:1]]
+    assert not offenders, "include docs/bench-tables/<package>.md instead of typing numbers:\n" + "\n".join(
+        offenders
+    )
+    assert MEASUREMENT.search("a 100 MB tensor about 0.5x, 7 M tasks/s")  # what the check looks for
+    assert not MEASUREMENT.search("on 2 processes, 10,000 tasks")
