@@ -11,6 +11,7 @@ Data flow of one dump::
                        `-- module --> its name
         --phase 2--> StorageTable.materialize(): raw bytes (copy) or share handles (share)
         --> Payload(table, graph) --> outer C pickle: _load_payload(FORMAT_VERSION, table, graph bytes)
+        --> _seal.seal: a header with the total length and a CRC-32, checked by loads before unpickling
 
 Phase 2 runs only when phase 1 succeeded, so a failed dump leaves no fd, shared-memory refcount or CUDA
 handle. On failure, :mod:`pc_pickle._diagnose` re-walks the graph to name the offending object's access path.
@@ -29,9 +30,10 @@ from typing import IO, Any
 import torch
 
 from pc_pickle._diagnose import find_unpicklable
-from pc_pickle._errors import PayloadError, UnpicklableObjectError
+from pc_pickle._errors import UnpicklableObjectError
 from pc_pickle._functions import DILL_ONLY_TYPES, needs_by_value, reduce_by_value
-from pc_pickle._payload import MAGIC, Payload
+from pc_pickle._payload import Payload, unpickle
+from pc_pickle._seal import seal, verify
 from pc_pickle._tensors import StorageTable
 
 __all__ = ["Pickler", "dumps", "loads"]
@@ -208,6 +210,7 @@ class Pickler(pickle.Pickler):
                 f"copy_tensor must be a bool, got {type(copy_tensor).__qualname__}: {copy_tensor!r}"
             )
         super().__init__(file, protocol=_PROTOCOL)
+        self._file = file
         self.recurse = recurse
         self.copy_tensor = copy_tensor
 
@@ -221,12 +224,8 @@ class Pickler(pickle.Pickler):
             UnpicklableObjectError: (a :class:`pickle.PicklingError`) if something in ``obj`` cannot be
                 pickled; the message starts with its access path. Nothing is written in that case.
         """
-        payload = _build_payload(obj, self.recurse, self.copy_tensor)
-        try:
-            super().dump(payload)
-        finally:
-            # The memo holds the payload's buffers; a long-lived Pickler must not keep them.
-            self.clear_memo()
+        for piece in _write_payload(obj, self.recurse, self.copy_tensor):
+            self._file.write(piece)
 
 
 def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
@@ -261,9 +260,14 @@ def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
         >>> out["t"].stride(), out["w"].untyped_storage().data_ptr() == out["t"].untyped_storage().data_ptr()
         ((1, 3), True)
     """
+    return b"".join(_write_payload(obj, recurse, copy_tensor))
+
+
+def _write_payload(obj: Any, recurse: bool, copy_tensor: bool) -> list[Any]:
+    """The pieces of one sealed payload (the pickler and its storage table are gone when this returns)."""
     chunks = _Chunks()
     pickle.Pickler(chunks, protocol=_PROTOCOL).dump(_build_payload(obj, recurse, copy_tensor))
-    return b"".join(chunks.parts)
+    return seal(chunks.parts)
 
 
 class _Chunks:
@@ -287,7 +291,17 @@ class _Chunks:
 def loads(data: bytes | bytearray | memoryview) -> Any:
     """Load a payload written by :func:`dumps` or :class:`Pickler`, in this or any other process.
 
-    Loading runs code named by the payload: load only data you trust.
+    **Trusted input only**: loading runs code named by the payload. The header check below catches
+    accidents (truncation, corruption, foreign bytes), not a payload crafted to pass it.
+
+    Before anything is unpickled, the payload's header is checked: its length and a CRC-32 over everything but
+    the raw bytes of large tensor storages. Bytes that were not written by pc_pickle, or were truncated,
+    extended or changed since, are refused with :class:`PayloadError` after reading the header only: no
+    allocation beyond the input, whatever the bytes declare.
+
+    Errors raised by the objects' own code while they are rebuilt from an intact payload (a ``__setstate__``,
+    a ``__reduce__`` callable or ``__init__`` that raises) propagate unchanged, as with :mod:`pickle`: they
+    are the object's errors, not the payload's, and callers that catch their own types keep working.
 
     Args:
         data: The payload bytes.
@@ -297,22 +311,17 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
 
     Raises:
         TypeError: If ``data`` is not bytes-like.
-        PayloadError: (a :class:`pickle.UnpicklingError`) for foreign, truncated or corrupt bytes, a payload
-            of another format version, or a tensor whose device does not exist here.
+        PayloadError: (a :class:`pickle.UnpicklingError`) for foreign, truncated, extended or corrupt bytes
+            (checksum mismatch), a payload of another format version, a class or function the payload names
+            that cannot be imported here, or a tensor whose device does not exist here. The underlying error,
+            if any, is the ``__cause__``.
         SharedHandleError: (a :class:`PayloadError`) if a shared tensor can no longer be opened (producer
             gone, payload loaded twice).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"loads expects bytes, bytearray or memoryview, got {type(data).__qualname__}")
-    head = bytes(data[:64])
-    if not head.startswith(b"\x80\x05") or MAGIC not in head:
-        raise PayloadError(
-            f"not a pc_pickle payload ({len(data)} bytes starting with {head[:16]!r}); "
-            "expected bytes written by pc_pickle.dumps or pc_pickle.Pickler"
-        )
-    try:
-        return pickle.loads(data)
-    except PayloadError:
-        raise
-    except (EOFError, pickle.UnpicklingError) as exc:
-        raise PayloadError(f"truncated or corrupt pc_pickle payload ({len(data)} bytes): {exc}") from exc
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    verify(view)
+    return unpickle(data if type(data) is bytes else view)
