@@ -19,6 +19,7 @@ handle. On failure, :mod:`pc_pickle._diagnose` re-walks the graph to name the of
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import pickle
@@ -72,21 +73,22 @@ class _GraphPickler(pickle.Pickler):
             return table.reduce_typed_storage
         if issubclass(cls, torch.cuda.Event):
             return table.reduce_event
+        # The reducers cached here must not refer to this pickler (no bound methods of self): a pickler ->
+        # cache -> bound method -> pickler cycle would keep the pickler's memo, and with it every object and
+        # tensor of the graph, alive after dumps returned, until the garbage collector ran.
         if cls is types.FunctionType or issubclass(cls, type):
-            return self._reduce_code
+            return functools.partial(_reduce_code, table=table, recurse=self._recurse)
         if cls is types.ModuleType:
             return _reduce_module
         if cls in DILL_ONLY_TYPES:
-            return self._reduce_with_dill
+            return functools.partial(reduce_by_value, table=table, recurse=self._recurse)
         return None
 
-    def _reduce_with_dill(self, obj: Any) -> Any:
-        return reduce_by_value(obj, self._table, self._recurse)
 
-    def _reduce_code(self, obj: Any) -> Any:
-        if needs_by_value(obj):
-            return reduce_by_value(obj, self._table, self._recurse)
-        return NotImplemented
+def _reduce_code(obj: Any, table: StorageTable, recurse: bool) -> Any:
+    if needs_by_value(obj):
+        return reduce_by_value(obj, table, recurse)
+    return NotImplemented
 
 
 def _reduce_module(module: types.ModuleType) -> Any:
