@@ -168,14 +168,18 @@ class Pickler(pickle.Pickler):
 
     Rules for ``copy_tensor=False`` payloads:
 
-    * **One-shot**: load each payload exactly once; dump once per destination. A payload that is never loaded
-      holds its handle (a dup'd fd, a shared-memory refcount) until the producer exits.
+    * **One-shot**: load each payload exactly once; dump once per destination. Under 'file_descriptor' a
+      second load raises :class:`~pc_pickle.SharedHandleError`; under 'file_system' it is not detected (the
+      handle is a name) and hands the payload's one shared-memory reference back twice. A payload that is
+      never loaded holds its handle: a dup'd fd until the producer exits ('file_descriptor'), or its
+      ``/dev/shm`` segment until torch's shared-memory manager ends ('file_system', after the last process
+      that used it exits).
     * **CPU, 'file_descriptor' strategy (the Linux default)**: the producer must be alive when the consumer
       loads, because the fd is fetched from the producer; otherwise :class:`~pc_pickle.SharedHandleError`.
       Each live shared storage holds one fd and each unloaded payload one more, so ``EMFILE`` comes at about
       ``ulimit -n``/2 tensors; above ~1,000 live tensors use the 'file_system' strategy or pack small tensors.
-    * **CPU, 'file_system'**: no liveness rule and no fds, but names stay in ``/dev/shm`` until the last user
-      exits.
+    * **CPU, 'file_system'**: no liveness rule and no fds; a segment leaves ``/dev/shm`` when the last tensor
+      on it, in any process, is freed (payloads that were loaded leave nothing behind).
     * **CUDA**: the producer keeps the tensor and its process alive while any consumer uses it; consumers
       ``del`` promptly. A received CUDA tensor cannot be re-sent (``clone()`` it first). Do not fork a
       consumer after CUDA was initialized.
