@@ -189,8 +189,9 @@ class Pickler(pickle.Pickler):
     Args:
         file: A binary file: anything with a ``write(bytes)`` method.
         recurse: For functions pickled by value, carry the globals they reference by value (True) or look them
-            up at load time in the function's module in the loading process (False; for ``__main__``
-            functions, the loader's ``__main__``).
+            up at load time in the function's module in the loading process (False). Functions and classes
+            defined in ``__main__`` always carry the ``__main__`` globals they reference by value (the
+            loader's ``__main__`` is another script), as cloudpickle does.
         copy_tensor: Copy tensors (True) or share them (False, the default).
 
     Raises:
@@ -249,7 +250,8 @@ def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
 
     Args:
         obj: The object to pickle.
-        recurse: For functions pickled by value, carry the globals they reference by value.
+        recurse: For functions pickled by value, carry the globals they reference by value (``__main__``
+            code always does).
         copy_tensor: Copy tensors (True, the default) or share them (False).
 
     Returns:
