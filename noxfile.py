@@ -284,3 +284,19 @@ def bump(session: nox.Session) -> None:
         session.error("usage: nox -s bump -- pc-<name> major|minor|patch|X.Y.Z")
     session.install("packaging>=23")
     session.run("python", "tools/release.py", "bump", *session.posargs)
+
+
+# --- pc-pickle fuzzing (issue 16) ---------------------------------------------------------------------------
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """pc_pickle's seeded payload fuzzer, longer than in ``tests``: ``nox -s fuzz -- [CASES] [SEED]``."""
+    cases = session.posargs[0] if session.posargs else "1000000"
+    seed = session.posargs[1] if len(session.posargs) > 1 else "16"
+    if not (cases.isdigit() and seed.isdigit()):
+        session.error(f"usage: nox -s fuzz -- [CASES] [SEED] (integers), got {session.posargs}")
+    _install(session, "pc-pickle", *TEST_TOOLS)
+    _check_torch_build(session)
+    session.env.update({"PC_PICKLE_FUZZ_CASES": cases, "PC_PICKLE_FUZZ_SEED": seed})
+    tests = "packages/pc-pickle/tests/test_pickle_fuzz.py"
+    options = ["-k", "test_fuzz_", "-o", "timeout=0", "-o", "faulthandler_timeout=0"]
+    session.run("pytest", tests, *options)

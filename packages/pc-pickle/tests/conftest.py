@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import threading
 import time
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 
+import pickle_testutils
 import pytest
 import torch
 
@@ -20,8 +23,21 @@ def _open_fds() -> set[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _warm_resource_sharer() -> None:
-    """Start multiprocessing's resource_sharer listener once, so its socket is not counted as a leak."""
+    """Open this process's long-lived sockets once, so they are not counted as leaks: multiprocessing's
+    resource_sharer listener, and the connection to torch's shared-memory manager that the first load of a
+    'file_system' payload opens (the strategy is set in a child only), and the pipe to multiprocessing's
+    resource tracker that the first spawn opens."""
+    resource_tracker.ensure_running()
     pc_pickle.loads(pc_pickle.dumps(torch.ones(1), copy_tensor=False))
+    ctx = multiprocessing.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=pickle_testutils.produce_and_exit, args=(writer, "file_system"))
+    proc.start()
+    writer.close()
+    if reader.poll(pickle_testutils.TIMEOUT):
+        pc_pickle.loads(reader.recv_bytes())
+    reader.close()
+    proc.join(pickle_testutils.TIMEOUT)
     gc.collect()
 
 

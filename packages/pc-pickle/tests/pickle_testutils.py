@@ -73,3 +73,13 @@ def produce_and_exit(conn: Connection, strategy: str) -> None:
     torch.multiprocessing.set_sharing_strategy(strategy)
     conn.send_bytes(pc_pickle.dumps(torch.full((4,), 7.0), copy_tensor=False))
     conn.close()
+
+
+def produce_many(conn: Connection, strategy: str, count: int) -> None:
+    """Child: set the sharing strategy (child only), send ``count`` share payloads of fresh tensors (each
+    dropped right after its dump), then wait for the parent's word before exiting."""
+    torch.multiprocessing.set_sharing_strategy(strategy)
+    for i in range(count):
+        conn.send_bytes(pc_pickle.dumps(torch.full((16,), float(i)), copy_tensor=False))
+    conn.poll(TIMEOUT)
+    conn.close()

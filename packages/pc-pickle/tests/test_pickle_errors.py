@@ -13,7 +13,7 @@ import torch
 from torch.multiprocessing import reductions
 
 import pc_pickle
-from pc_pickle import _payload, _tensors
+from pc_pickle import _payload, _seal, _tensors
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -105,11 +105,11 @@ def test_foreign_bytes_raise_payloaderror() -> None:
             pc_pickle.loads(foreign)
 
 
-def test_corrupt_graph_inside_a_valid_header_raises_unpicklingerror() -> None:
+def test_corrupt_graph_inside_a_valid_header_raises_payloaderror() -> None:
     good = pc_pickle.dumps([torch.ones(2), "x" * 200])
     corrupt = bytearray(good)
     corrupt[len(good) // 2 : len(good) // 2 + 8] = b"\xff" * 8
-    with pytest.raises((pickle.UnpicklingError, ValueError)):
+    with pytest.raises(pc_pickle.PayloadError, match="checksum mismatch"):
         pc_pickle.loads(bytes(corrupt))
 
 
@@ -119,9 +119,16 @@ def test_format_version_mismatch_names_both_versions() -> None:
             load, (_, table, graph) = super().__reduce__()
             return (load, (99, table, graph))
 
-    data = pickle.dumps(Future([], pickle.dumps(1)), protocol=5)
+    data = b"".join(_seal.seal([pickle.dumps(Future([], pickle.dumps(1)), protocol=5)]))
     with pytest.raises(pc_pickle.PayloadError, match=rf"version 99 .* version {_payload.FORMAT_VERSION}"):
         pc_pickle.loads(data)
+
+
+def test_header_of_another_format_version_names_both_versions() -> None:
+    data = bytearray(pc_pickle.dumps([1, 2]))
+    data[11:13] = (7).to_bytes(2, "little")  # the header's version field, checked before the checksum
+    with pytest.raises(pc_pickle.PayloadError, match=rf"version 7 .* version {_seal.FORMAT_VERSION}"):
+        pc_pickle.loads(bytes(data))
 
 
 def test_missing_cuda_device_is_named() -> None:

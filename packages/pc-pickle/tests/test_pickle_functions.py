@@ -148,8 +148,7 @@ _CONSUMER = textwrap.dedent(
     with_globals, without = pc_pickle.loads(sys.stdin.buffer.read())
     fn = pc_pickle.loads(with_globals)
     try:
-        pc_pickle.loads(without)(2)
-        outcome = "no error"
+        outcome = pc_pickle.loads(without)(2)
     except NameError as exc:
         outcome = "NameError"
     repickled = pc_pickle.dumps(fn, recurse=True)
@@ -173,7 +172,9 @@ def test_main_function_in_fresh_interpreter_and_import_hygiene() -> None:
     # Importing pc_pickle, loading and dumping changed no global table, setting, strategy or warning filter.
     assert unchanged
     assert value == 6.5  # recurse=True carried SCALE and BIAS
-    assert outcome == "NameError"  # recurse=False: looked up in the loader's __main__, as dill does
+    # recurse=False too: __main__ code carries the globals it references by value (issue 16; before, they
+    # were looked up in the loader's __main__, another script, and gave NameError as in dill#126).
+    assert outcome == 6.5
     fn = pc_pickle.loads(repickled)
     assert fn(4) == 12.5
 

@@ -120,14 +120,18 @@ def reduce_by_value(obj: Any, table: StorageTable, recurse: bool) -> Reduced:
         obj: The function, class, or instance of one of :data:`DILL_ONLY_TYPES`.
         table: The dump's storage table (shared with the C graph pickler).
         recurse: dill's ``recurse``: carry the globals the function references by value (True) or look them up
-            at load time in the function's module in the loading process (False; for ``__main__``, the
-            loader's ``__main__``).
+            at load time in the function's module in the loading process (False). Functions and classes
+            defined in ``__main__`` always carry them by value.
 
     Returns:
         A reduce tuple that loads the object with :func:`_rebuild_dill`.
     """
+    # Code defined in __main__ always carries the globals it references by value, as cloudpickle does: the
+    # loader's __main__ is another script (a spawned worker re-runs the file without its `if __name__ ==
+    # "__main__":` block), so a by-name lookup there fails with NameError (dill#126).
+    by_value_globals = recurse or getattr(obj, "__module__", None) == "__main__"
     buffer = io.BytesIO()
-    _DillPickler(buffer, table, recurse).dump(obj)
+    _DillPickler(buffer, table, by_value_globals).dump(obj)
     return (_rebuild_dill, (buffer.getvalue(),))
 
 

@@ -2,21 +2,20 @@
 
 The top-level call is this importable module's function, so plain :func:`pickle.loads` reads a payload too. (A
 rebuild function defined in ``__main__`` would be pickled by value and lose its globals in a spawned process.)
+:mod:`pc_pickle._seal` puts the checksummed header in front of it.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 from typing import Any
 
 from pc_pickle._errors import PayloadError
+from pc_pickle._seal import FORMAT_VERSION
 from pc_pickle._tensors import installed_storages, materialize_entry
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "Payload"]
-
-FORMAT_VERSION = 1
-# Every payload names this module near its start; loads() checks for it before unpickling foreign bytes.
-MAGIC = __name__.encode()
+__all__ = ["FORMAT_VERSION", "Payload", "unpickle"]
 
 
 class Payload:
@@ -37,6 +36,71 @@ class Payload:
         return (_load_payload, (FORMAT_VERSION, self.table, self.graph))
 
 
+class _Unpickler(pickle.Unpickler):
+    """The C unpickler; a class or function the payload names that cannot be imported is a PayloadError."""
+
+    def find_class(self, module_name: str, global_name: str, /) -> Any:
+        try:
+            return super().find_class(module_name, global_name)
+        except (ImportError, AttributeError) as exc:
+            raise PayloadError(
+                f"the payload names {module_name}.{global_name}, which cannot be imported in this process "
+                f"({type(exc).__name__}: {exc}); load it where the same code is installed"
+            ) from exc
+
+
+class _ViewReader:
+    """A read-only file over a memoryview (what the C unpickler needs: read, readinto, readline)."""
+
+    __slots__ = ("_at", "_view")
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._at = 0
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self._view) if size < 0 else min(self._at + size, len(self._view))
+        chunk = bytes(self._view[self._at : end])
+        self._at = end
+        return chunk
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        chunk = self._view[self._at : self._at + len(target)]
+        target[: len(chunk)] = chunk
+        self._at += len(chunk)
+        return len(chunk)
+
+    def readline(self, size: int = -1) -> bytes:
+        rest = self._view[self._at :]
+        end = bytes(rest[: len(rest) if size < 0 else size]).find(b"\n")
+        return self.read(len(rest) if end < 0 else end + 1)
+
+
+def unpickle(data: bytes | bytearray | memoryview) -> Any:
+    """Unpickle one stream with the C unpickler, turning its own errors into :class:`PayloadError`.
+
+    Args:
+        data: A pickle stream.
+
+    Returns:
+        The object.
+
+    Raises:
+        PayloadError: For a stream the unpickler rejects (``UnpicklingError``, ``EOFError``) or a name it
+            cannot import. Errors raised by the objects' own code (``__setstate__``, reduce callables)
+            propagate unchanged.
+    """
+    # BytesIO shares a bytes object's buffer; other buffers are read in place rather than copied.
+    file = io.BytesIO(data) if type(data) is bytes else _ViewReader(memoryview(data).cast("B"))
+    try:
+        return _Unpickler(file).load()
+    except PayloadError:
+        raise
+    except (EOFError, pickle.UnpicklingError) as exc:
+        raise PayloadError(f"truncated or corrupt pc_pickle payload ({len(data)} bytes): {exc}") from exc
+
+
 def _load_payload(version: int, table: list[tuple[Any, ...]], graph: bytes) -> Any:
     if version != FORMAT_VERSION:
         raise PayloadError(
@@ -50,4 +114,4 @@ def _load_payload(version: int, table: list[tuple[Any, ...]], graph: bytes) -> A
         )
     storages = [materialize_entry(entry) for entry in table]
     with installed_storages(storages):
-        return pickle.loads(graph)
+        return unpickle(graph)

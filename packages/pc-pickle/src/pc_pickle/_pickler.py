@@ -11,6 +11,7 @@ Data flow of one dump::
                        `-- module --> its name
         --phase 2--> StorageTable.materialize(): raw bytes (copy) or share handles (share)
         --> Payload(table, graph) --> outer C pickle: _load_payload(FORMAT_VERSION, table, graph bytes)
+        --> _seal.seal: a header with the total length and a CRC-32, checked by loads before unpickling
 
 Phase 2 runs only when phase 1 succeeded, so a failed dump leaves no fd, shared-memory refcount or CUDA
 handle. On failure, :mod:`pc_pickle._diagnose` re-walks the graph to name the offending object's access path.
@@ -18,6 +19,7 @@ handle. On failure, :mod:`pc_pickle._diagnose` re-walks the graph to name the of
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import pickle
@@ -29,9 +31,10 @@ from typing import IO, Any
 import torch
 
 from pc_pickle._diagnose import find_unpicklable
-from pc_pickle._errors import PayloadError, UnpicklableObjectError
+from pc_pickle._errors import UnpicklableObjectError
 from pc_pickle._functions import DILL_ONLY_TYPES, needs_by_value, reduce_by_value
-from pc_pickle._payload import MAGIC, Payload
+from pc_pickle._payload import Payload, unpickle
+from pc_pickle._seal import seal, verify
 from pc_pickle._tensors import StorageTable
 
 __all__ = ["Pickler", "dumps", "loads"]
@@ -70,21 +73,22 @@ class _GraphPickler(pickle.Pickler):
             return table.reduce_typed_storage
         if issubclass(cls, torch.cuda.Event):
             return table.reduce_event
+        # The reducers cached here must not refer to this pickler (no bound methods of self): a pickler ->
+        # cache -> bound method -> pickler cycle would keep the pickler's memo, and with it every object and
+        # tensor of the graph, alive after dumps returned, until the garbage collector ran.
         if cls is types.FunctionType or issubclass(cls, type):
-            return self._reduce_code
+            return functools.partial(_reduce_code, table=table, recurse=self._recurse)
         if cls is types.ModuleType:
             return _reduce_module
         if cls in DILL_ONLY_TYPES:
-            return self._reduce_with_dill
+            return functools.partial(reduce_by_value, table=table, recurse=self._recurse)
         return None
 
-    def _reduce_with_dill(self, obj: Any) -> Any:
-        return reduce_by_value(obj, self._table, self._recurse)
 
-    def _reduce_code(self, obj: Any) -> Any:
-        if needs_by_value(obj):
-            return reduce_by_value(obj, self._table, self._recurse)
-        return NotImplemented
+def _reduce_code(obj: Any, table: StorageTable, recurse: bool) -> Any:
+    if needs_by_value(obj):
+        return reduce_by_value(obj, table, recurse)
+    return NotImplemented
 
 
 def _reduce_module(module: types.ModuleType) -> Any:
@@ -164,14 +168,18 @@ class Pickler(pickle.Pickler):
 
     Rules for ``copy_tensor=False`` payloads:
 
-    * **One-shot**: load each payload exactly once; dump once per destination. A payload that is never loaded
-      holds its handle (a dup'd fd, a shared-memory refcount) until the producer exits.
+    * **One-shot**: load each payload exactly once; dump once per destination. Under 'file_descriptor' a
+      second load raises :class:`~pc_pickle.SharedHandleError`; under 'file_system' it is not detected (the
+      handle is a name) and hands the payload's one shared-memory reference back twice. A payload that is
+      never loaded holds its handle: a dup'd fd until the producer exits ('file_descriptor'), or its
+      ``/dev/shm`` segment until torch's shared-memory manager ends ('file_system', after the last process
+      that used it exits).
     * **CPU, 'file_descriptor' strategy (the Linux default)**: the producer must be alive when the consumer
       loads, because the fd is fetched from the producer; otherwise :class:`~pc_pickle.SharedHandleError`.
       Each live shared storage holds one fd and each unloaded payload one more, so ``EMFILE`` comes at about
       ``ulimit -n``/2 tensors; above ~1,000 live tensors use the 'file_system' strategy or pack small tensors.
-    * **CPU, 'file_system'**: no liveness rule and no fds, but names stay in ``/dev/shm`` until the last user
-      exits.
+    * **CPU, 'file_system'**: no liveness rule and no fds; a segment leaves ``/dev/shm`` when the last tensor
+      on it, in any process, is freed (payloads that were loaded leave nothing behind).
     * **CUDA**: the producer keeps the tensor and its process alive while any consumer uses it; consumers
       ``del`` promptly. A received CUDA tensor cannot be re-sent (``clone()`` it first). Do not fork a
       consumer after CUDA was initialized.
@@ -181,8 +189,9 @@ class Pickler(pickle.Pickler):
     Args:
         file: A binary file: anything with a ``write(bytes)`` method.
         recurse: For functions pickled by value, carry the globals they reference by value (True) or look them
-            up at load time in the function's module in the loading process (False; for ``__main__``
-            functions, the loader's ``__main__``).
+            up at load time in the function's module in the loading process (False). Functions and classes
+            defined in ``__main__`` always carry the ``__main__`` globals they reference by value (the
+            loader's ``__main__`` is another script), as cloudpickle does.
         copy_tensor: Copy tensors (True) or share them (False, the default).
 
     Raises:
@@ -208,6 +217,7 @@ class Pickler(pickle.Pickler):
                 f"copy_tensor must be a bool, got {type(copy_tensor).__qualname__}: {copy_tensor!r}"
             )
         super().__init__(file, protocol=_PROTOCOL)
+        self._file = file
         self.recurse = recurse
         self.copy_tensor = copy_tensor
 
@@ -221,12 +231,8 @@ class Pickler(pickle.Pickler):
             UnpicklableObjectError: (a :class:`pickle.PicklingError`) if something in ``obj`` cannot be
                 pickled; the message starts with its access path. Nothing is written in that case.
         """
-        payload = _build_payload(obj, self.recurse, self.copy_tensor)
-        try:
-            super().dump(payload)
-        finally:
-            # The memo holds the payload's buffers; a long-lived Pickler must not keep them.
-            self.clear_memo()
+        for piece in _write_payload(obj, self.recurse, self.copy_tensor):
+            self._file.write(piece)
 
 
 def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
@@ -244,7 +250,8 @@ def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
 
     Args:
         obj: The object to pickle.
-        recurse: For functions pickled by value, carry the globals they reference by value.
+        recurse: For functions pickled by value, carry the globals they reference by value (``__main__``
+            code always does).
         copy_tensor: Copy tensors (True, the default) or share them (False).
 
     Returns:
@@ -261,9 +268,14 @@ def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
         >>> out["t"].stride(), out["w"].untyped_storage().data_ptr() == out["t"].untyped_storage().data_ptr()
         ((1, 3), True)
     """
+    return b"".join(_write_payload(obj, recurse, copy_tensor))
+
+
+def _write_payload(obj: Any, recurse: bool, copy_tensor: bool) -> list[Any]:
+    """The pieces of one sealed payload (the pickler and its storage table are gone when this returns)."""
     chunks = _Chunks()
     pickle.Pickler(chunks, protocol=_PROTOCOL).dump(_build_payload(obj, recurse, copy_tensor))
-    return b"".join(chunks.parts)
+    return seal(chunks.parts)
 
 
 class _Chunks:
@@ -287,7 +299,17 @@ class _Chunks:
 def loads(data: bytes | bytearray | memoryview) -> Any:
     """Load a payload written by :func:`dumps` or :class:`Pickler`, in this or any other process.
 
-    Loading runs code named by the payload: load only data you trust.
+    **Trusted input only**: loading runs code named by the payload. The header check below catches
+    accidents (truncation, corruption, foreign bytes), not a payload crafted to pass it.
+
+    Before anything is unpickled, the payload's header is checked: its length and a CRC-32 over everything but
+    the raw bytes of large tensor storages. Bytes that were not written by pc_pickle, or were truncated,
+    extended or changed since, are refused with :class:`PayloadError` after reading the header only: no
+    allocation beyond the input, whatever the bytes declare.
+
+    Errors raised by the objects' own code while they are rebuilt from an intact payload (a ``__setstate__``,
+    a ``__reduce__`` callable or ``__init__`` that raises) propagate unchanged, as with :mod:`pickle`: they
+    are the object's errors, not the payload's, and callers that catch their own types keep working.
 
     Args:
         data: The payload bytes.
@@ -297,22 +319,17 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
 
     Raises:
         TypeError: If ``data`` is not bytes-like.
-        PayloadError: (a :class:`pickle.UnpicklingError`) for foreign, truncated or corrupt bytes, a payload
-            of another format version, or a tensor whose device does not exist here.
+        PayloadError: (a :class:`pickle.UnpicklingError`) for foreign, truncated, extended or corrupt bytes
+            (checksum mismatch), a payload of another format version, a class or function the payload names
+            that cannot be imported here, or a tensor whose device does not exist here. The underlying error,
+            if any, is the ``__cause__``.
         SharedHandleError: (a :class:`PayloadError`) if a shared tensor can no longer be opened (producer
             gone, payload loaded twice).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"loads expects bytes, bytearray or memoryview, got {type(data).__qualname__}")
-    head = bytes(data[:64])
-    if not head.startswith(b"\x80\x05") or MAGIC not in head:
-        raise PayloadError(
-            f"not a pc_pickle payload ({len(data)} bytes starting with {head[:16]!r}); "
-            "expected bytes written by pc_pickle.dumps or pc_pickle.Pickler"
-        )
-    try:
-        return pickle.loads(data)
-    except PayloadError:
-        raise
-    except (EOFError, pickle.UnpicklingError) as exc:
-        raise PayloadError(f"truncated or corrupt pc_pickle payload ({len(data)} bytes): {exc}") from exc
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    verify(view)
+    return unpickle(data if type(data) is bytes else view)

@@ -32,6 +32,7 @@ from pc_pool._protocol import (
     K_OK,
     K_READY,
     K_RETIRE,
+    RESULT_ACK,
     MaybeEncodingError,
     recv_msg,
     unread_bytes,
@@ -132,7 +133,8 @@ class CollectorMixin(EngineState):
 
     def _start_worker(self, index: int) -> WorkerHandle:
         task_r, task_w = self._ctx.Pipe(duplex=False)
-        result_r, result_w = self._ctx.Pipe(duplex=False)
+        # Share mode: duplex, so the parent can acknowledge each result it loaded (see worker.ResultPutter).
+        result_r, result_w = self._ctx.Pipe(duplex=not self._copy_tensor)
         try:
             context = self._worker_context(index)
             has_ctx = context is not NO_CONTEXT
@@ -186,6 +188,7 @@ class CollectorMixin(EngineState):
             w.fast = chunk is not None and now() - chunk.sent_at < FAST_RTT
             self._cond.notify_all()
         if chunk is None or chunk.job.id != job_id or chunk.index != chunk_index:  # pragma: no cover
+            self._ack(w, kind)
             _log.error(
                 "pc_pool: unexpected reply for job %s chunk %s from worker %s", job_id, chunk_index, w.index
             )
@@ -194,11 +197,23 @@ class CollectorMixin(EngineState):
             try:
                 values = _serial.loads(blob) if blob is not None else None
             except Exception as exc:
+                self._ack(w, kind)
                 self._deliver(chunk, False, exc)
                 return
+            self._ack(w, kind)
             self._deliver(chunk, True, values)
         elif kind in (K_ERR, K_ENC):
             self._deliver(chunk, False, _load_exception(blob, text))
+
+    def _ack(self, w: WorkerHandle, kind: int) -> None:
+        """Share mode: tell the worker its result is loaded (its fds fetched), so it may run the next chunk.
+
+        Without this, a worker could crash in its next chunk before this thread loaded the result it had
+        sent, and that finished result would fail too (its fds are fetched from the worker).
+        """
+        if kind == K_OK and not self._copy_tensor:
+            with contextlib.suppress(OSError):  # a dead worker: its reaper is draining what it sent
+                w.result_conn.send_bytes(RESULT_ACK)
 
     def _reap(self, w: WorkerHandle) -> None:
         """Worker ``w``'s process ended: read what it left, fail its running chunk, start a replacement."""

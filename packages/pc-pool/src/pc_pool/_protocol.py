@@ -6,7 +6,8 @@ larger ones follow as a second message, so a 100 MB tensor is never copied into 
 
 Parent -> worker: ``(job, chunk, mode, func_blob | None, drops)`` + the arguments payload; ``EXIT`` (empty
 bytes) asks the worker to leave. Worker -> parent: ``(kind, job, chunk, text)`` + a payload, where kind is one
-of the ``K_*`` constants.
+of the ``K_*`` constants. In share mode the parent answers each ``K_OK`` reply on the (duplex) result pipe
+with ``RESULT_ACK`` once it has loaded the result: the worker waits for it before its next chunk.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "MODE_APPLY",
     "MODE_MAP",
     "MODE_STAR",
+    "RESULT_ACK",
     "MaybeEncodingError",
     "recv_msg",
     "send_msg",
@@ -40,6 +42,7 @@ __all__ = [
 MaybeEncodingError: type[Exception] = multiprocessing.pool.MaybeEncodingError  # type: ignore[attr-defined]
 
 EXIT = b""
+RESULT_ACK = b"\x01"
 MODE_APPLY, MODE_MAP, MODE_STAR = 0, 1, 2
 K_OK, K_ERR, K_ENC, K_READY, K_RETIRE, K_INIT_ERR = range(6)
 _INLINE = 1 << 16

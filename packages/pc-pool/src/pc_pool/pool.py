@@ -230,7 +230,12 @@ class BasePool(FeederMixin, CollectorMixin, PoolFrontend):
         """
         for index in range(self._processes):
             if self._workers[index] is None and self._wants_workers():
-                self._workers[index] = self._start_worker(index)
+                w = self._start_worker(index)
+                with self._cond:
+                    self._workers[index] = w
+                    # Wake the feeders now: a P2PPool's chunks pinned to this index wait for this worker, and
+                    # its feeder would otherwise notice it only at its next periodic check (TICK, 5 s).
+                    self._cond.notify_all()
 
     def maintain_pool(self) -> None:
         """Reap workers whose process ended (crash or retirement) and start replacements."""

@@ -59,8 +59,9 @@ class Pool(BasePool):
         initializer: Initializer function executed by each worker.
         initargs: Args passed to the init function.
         maxtasksperchild: Maximum number of tasks (chunks) per worker process; ``None`` means no limit.
-        is_recursive: Pickle the globals referenced by functions by value (needed when the worker's
-            ``__main__`` lacks them, e.g. notebooks). Lambdas and local functions work either way.
+        is_recursive: Pickle the globals referenced by by-value functions of importable modules by value
+            too (needed for a module global created after a fork pool started). Functions and lambdas
+            defined in ``__main__`` always carry the ``__main__`` globals they reference by value.
         is_daemon: Start workers as daemon processes (a task then cannot create a pool of its own).
         is_copy_tensor: Copy tensors (``True``) or pass them by reference (``False``).
         share_method: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``); required when ``is_copy_tensor=False``.

@@ -196,10 +196,19 @@ class TaskGetter:
 
 
 class ResultPutter:
-    """``put(reply)`` of the worker loop: send one reply to the parent."""
+    """``put(reply)`` of the worker loop: send one reply to the parent.
 
-    def __init__(self, conn: Connection) -> None:
+    Share mode (``wait_ack``): a result's tensors travel as handles that the parent fetches from this process
+    (``file_descriptor`` strategy) when it loads them, so after each result this waits for the parent's
+    ``RESULT_ACK`` (sent once it has loaded it) before the next chunk can run. A crash in that next chunk then
+    cannot take an already finished result with it. Wake-ups: the ack, or the parent's death (exit).
+    """
+
+    def __init__(self, conn: Connection, wait_ack: bool = False) -> None:
         self._conn = conn
+        self._wait_ack = wait_ack
+        parent = multiprocessing.parent_process()
+        self._parent_sentinel = parent.sentinel if parent is not None else None
 
     def __call__(self, reply: _Reply) -> None:
         """Send ``reply``; exit the process if the parent is gone."""
@@ -207,6 +216,23 @@ class ResultPutter:
         try:
             send_msg(self._conn, header, blob)
         except (BrokenPipeError, ConnectionResetError):
+            os._exit(1)  # the parent is gone
+        if self._wait_ack and header[0] == K_OK:
+            self._await_ack()
+
+    def _await_ack(self) -> None:
+        waitables: list[Any] = [self._conn]
+        if self._parent_sentinel is not None:
+            waitables.append(self._parent_sentinel)
+        while not self._conn.poll(0):
+            ready = wait(waitables, timeout=60.0)
+            if self._conn in ready:
+                break
+            if ready:  # the parent sentinel fired
+                os._exit(1)
+        try:
+            self._conn.recv_bytes()
+        except (EOFError, OSError):
             os._exit(1)  # the parent is gone
 
 
@@ -291,7 +317,7 @@ def worker_main(
     if os.getppid() != parent_pid:  # the parent died before PR_SET_PDEATHSIG took effect
         os._exit(1)
     faulthandler.enable()
-    put = ResultPutter(result_conn)
+    put = ResultPutter(result_conn, wait_ack=not copy_tensor)
     try:
         initializer, initargs, has_ctx, ctx = _serial.loads(init_blob)
     except SystemExit:
