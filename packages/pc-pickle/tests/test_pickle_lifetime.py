@@ -61,3 +61,34 @@ def test_dumps_leaves_no_cycle_behind(no_gc: None, dump: Callable[..., bytes], c
         pc_pickle.loads(data)  # share payloads are one-shot: release the handles
     del big, small, plain, func, data
     assert [ref() for ref in refs] == [None] * len(refs)  # refcounting alone freed them
+
+
+def test_a_copied_storage_buffer_keeps_its_bytes_alive(no_gc: None) -> None:
+    """The buffer written for a copied storage owns it: a device->host copy is a temporary nothing else holds.
+
+    (On a GPU, dumps of a CUDA tensor once returned freed host memory: the copy died with the storage table
+    before the pieces were joined.)
+    """
+    storage = torch.arange(4096.0).untyped_storage()
+    alive = weakref.ref(storage)
+    buffer = _tensors._host_buffer(storage)
+    del storage
+    assert alive() is not None, "the buffer does not keep the storage it points into alive"
+    assert torch.equal(torch.frombuffer(bytearray(buffer.raw()), dtype=torch.float32), torch.arange(4096.0))
+    del buffer
+    assert alive() is None
+
+
+def test_a_temporary_host_copy_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host bytes from a temporary copy (what a CUDA storage's ``cpu()`` gives) load intact."""
+    original = _tensors._host_buffer
+
+    def via_temporary_copy(storage: torch.UntypedStorage) -> object:
+        return original(storage.clone())  # like storage.cpu() of a CUDA storage: a copy only the buffer holds
+
+    monkeypatch.setattr(_tensors, "_host_buffer", via_temporary_copy)
+    big = torch.randn(300_000)  # > 64 KiB: written as a separate out-of-checksum piece
+    small = torch.arange(10.0)
+    out = pc_pickle.loads(pc_pickle.dumps({"big": big, "small": small}))
+    assert torch.equal(out["big"], big)
+    assert torch.equal(out["small"], small)

@@ -84,12 +84,16 @@ def _host_buffer(storage: torch.UntypedStorage) -> Any:
     """A writable, zero-copy buffer over a CPU storage's bytes, for an in-band ``PickleBuffer``.
 
     Tensors do not export the buffer protocol; a ctypes array at the storage's address does, without numpy.
-    The caller keeps ``storage`` alive until the pickler has written the buffer.
+    The buffer keeps ``storage`` alive.
     """
     nbytes = storage.nbytes()
     if nbytes == 0:
         return b""
     array = (ctypes.c_char * nbytes).from_address(storage.data_ptr())
+    # The buffer -> array -> storage chain keeps the bytes alive as long as the buffer: a device->host copy
+    # is a temporary that nothing else holds once the storage table is gone (found on a GPU: dumps of a CUDA
+    # tensor returned freed memory after the table stopped outliving the pieces).
+    array._pc_storage = storage  # type: ignore[attr-defined]
     # A writable buffer is written as BYTEARRAY8, so it loads as a bytearray that torch.frombuffer wraps
     # without a copy and without the "non-writable buffer" warning.
     return pickle.PickleBuffer(memoryview(array).cast("B"))
