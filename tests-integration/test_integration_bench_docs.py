@@ -81,6 +81,8 @@ def test_bench_fragments_are_cut_from_the_committed_report() -> None:
     run_all = _run_all()
     expected = run_all.fragments_from_report((ROOT / "docs" / "benchmarks-report.md").read_text())
     committed = {p.stem: p.read_text() for p in sorted((ROOT / "docs" / "bench-tables").glob("*.md"))}
+    gpu = committed.pop("gpu")  # made from the GPU runs' JSON, not from the report (below)
+    assert "| pc-sync | (cuda) " in gpu
     assert sorted(committed) == sorted(expected)
     for package, text in expected.items():
         assert committed[package] == text, (
@@ -126,3 +128,12 @@ def test_bench_guides_type_no_measurement_in_their_performance_sections() -> Non
     )
     assert MEASUREMENT.search("a 100 MB tensor about 0.5x, 7 M tasks/s")  # what the check looks for
     assert not MEASUREMENT.search("on 2 processes, 10,000 tasks")
+
+
+def test_bench_gpu_table_is_generated_from_the_committed_gpu_json(tmp_path: Path) -> None:
+    run_all = _run_all()
+    committed = (ROOT / "docs" / "bench-tables" / "gpu.md").read_text()
+    run_all.FRAGMENTS = tmp_path  # write the fresh table here, not over the committed one
+    run_all.write_gpu_fragment()
+    assert (tmp_path / "gpu.md").read_text() == committed, "docs/bench-tables/gpu.md differs: run run_all.py"
+    assert "![" not in committed  # the CPU plots do not belong to the GPU rows
