@@ -1,6 +1,6 @@
 """The chaos soak's world: 1 primary + 2 secondaries serve while client processes are SIGKILLed and restarted.
 
-Members: '0' the primary (outside the secondary list), '1' and '2' the secondaries, '3' the client host. The
+Members: '0' the primary (outside the secondary list) and the client host, '1' and '2' the secondaries. The
 host runs ``SLOTS`` client slots; each slot is a child process (plain Python, no torch, started with
 ``subprocess``) that produces integer gradients on request, and a host thread that pushes them to the
 server under that incarnation's own accessor (its own ``client_id``). A seeded killer SIGKILLs a slot's child
@@ -129,7 +129,7 @@ def _usage() -> tuple[int, int]:
 
 
 def soak_world(rank: int, seconds: float, seed: int) -> dict[str, Any]:
-    """Serve (ranks 0-2) or run the chaos (rank 3) for ``seconds``; return this rank's observations."""
+    """Serve (every rank) and run the chaos (rank 0) for ``seconds``; return this rank's observations."""
     torch.set_num_threads(1)
     from server_models import PlainSGD
 
@@ -137,38 +137,32 @@ def soak_world(rank: int, seconds: float, seed: int) -> dict[str, Any]:
 
     world = get_world()
     assert world is not None
-    group = world.create_rpc_group("soak", ["0", "1", "2", "3"])
+    group = world.create_rpc_group("soak", ["0", "1", "2"])
     out: dict[str, Any] = {}
-    impl = None
-    if rank in (0, 1, 2):
-        impl = PushPullGradServerImpl(
-            "soak",
-            group,
-            primary_reducer="0",
-            secondary_reducers=["1", "2"],
-            reduce_batch_size=2,
-            max_queue_size=4096,
-            flush_timeout=0.05,
-        )
-        if rank == 0:
-            model = Vec()
-            impl.manage_model(model, PlainSGD(model.parameters()))
-        impl.start()
+    impl = PushPullGradServerImpl(
+        "soak",
+        group,
+        primary_reducer="0",
+        secondary_reducers=["1", "2"],
+        reduce_batch_size=2,
+        max_queue_size=4096,
+        flush_timeout=0.05,
+    )
+    if rank == 0:
+        model = Vec()
+        impl.manage_model(model, PlainSGD(model.parameters()))
+    impl.start()
     group.barrier(WAIT_S)  # paired and started
-    if impl is not None:
-        out["usage_start"] = _usage()
-    if rank == 3:
+    out["usage_start"] = _usage()
+    if rank == 0:
         out.update(_chaos(group, seconds, seed))
     group.barrier(WAIT_S + seconds)  # the chaos is over (the reducers served meanwhile)
-    if impl is not None:
-        out["usage_end"] = _usage()
-        impl.stop(timeout=WAIT_S)
-        impl.watch()
+    out["usage_end"] = _usage()
+    impl.stop(timeout=WAIT_S)
+    impl.watch()
     group.barrier(WAIT_S)  # every reducer stopped
-    if rank == 3:
-        out["ledger"] = group.get_paired("soak").to_here().ledger()
     if rank == 0:
-        assert impl is not None
+        out["ledger"] = group.get_paired("soak").to_here().ledger()
         assert impl.model is not None
         out["weights"] = [int(x) for x in impl.model.w.detach().tolist()]
     group.barrier(WAIT_S)
@@ -228,7 +222,7 @@ class SoakOutcome:
 
 
 def outcome(results: list[dict[str, Any]]) -> SoakOutcome:
-    host = results[3]
+    host = results[0]
     assert not host["errors"], host["errors"]
     assert not host["alive_threads"], host["alive_threads"]
     assert not host["leftover_children"], host["leftover_children"]

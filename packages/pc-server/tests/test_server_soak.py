@@ -21,7 +21,7 @@ THREAD_GROWTH = 24
 
 def test_chaos_soak_kills_clients_mid_push_and_the_ledger_balances() -> None:
     results = pc_distributed.run_world(
-        soak_world, 4, args=(SECONDS, SEED), timeout=SECONDS + 150, rpc_timeout=20, dist_timeout=30
+        soak_world, 3, args=(SECONDS, SEED), timeout=SECONDS + 150, rpc_timeout=20, dist_timeout=30
     )
     seen = outcome(results)
     print(f"soak: {seen.kills} kills, {len(seen.book)} client identities, ledger {seen.ledger.total}")
