@@ -11,6 +11,7 @@ Layout (``torch.save``-able)::
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from pc_server._checkpoint import check_state, header
@@ -30,7 +31,20 @@ def grad_state(
     secondary: SecondaryReducer | None,
     ledger: LedgerBook,
 ) -> dict[str, Any]:
-    """The checkpoint of one reducer process (see the module docstring)."""
+    """The checkpoint of one reducer process (see the module docstring).
+
+    On the primary the step lock is held throughout, so the ledger's applied counts match the model's step.
+    """
+    with primary.step_lock if primary is not None else contextlib.nullcontext():
+        return _state(config, primary, secondary, ledger)
+
+
+def _state(
+    config: GradServerConfig,
+    primary: PrimaryReducer | None,
+    secondary: SecondaryReducer | None,
+    ledger: LedgerBook,
+) -> dict[str, Any]:
     return {
         **header(GRAD_FORMAT),
         "server_name": config.server_name,

@@ -62,7 +62,7 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
         self._done: set[str] = set()  # secondaries whose stop() finished
         # held for a step and its ledger entries, so that a checkpoint sees the model, optimizer, version and
         # applied counts of one and the same step
-        self.step_lock = threading.Lock()
+        self.step_lock = threading.RLock()
 
     def _clients_of(self, item: tuple[Forward, float]) -> dict[str, int]:
         return forward_clients(item[0])
