@@ -1,15 +1,18 @@
 """The chaos soak's world: 1 primary + 2 secondaries serve while client processes are SIGKILLed and restarted.
 
-Members: '0' the primary (outside the secondary list) and the client host, '1' and '2' the secondaries. The
-host runs ``SLOTS`` client slots; each slot is a child process (plain Python, no torch, started with
+Members: '0' the primary (outside the secondary list) and the client host; '1' and '2' the secondaries; '3' a
+client that is an RPC member itself and dies by SIGKILL from a timer thread (so mid-push) at a seeded moment:
+its last push may be applied or not, never twice.
+
+The host runs ``SLOTS`` client slots; each slot is a child process (plain Python, no torch, started with
 ``subprocess``) that produces integer gradients on request, and a host thread that pushes them to the
 server under that incarnation's own accessor (its own ``client_id``). A seeded killer SIGKILLs a slot's child
 at random moments, mostly while its push is in flight; the slot restarts with a new child and identity.
+The RPC world's membership is fixed at start (a SIGKILLed member cannot rejoin), which is why restartable
+clients push through the host.
 
-Why the host pushes: the RPC world's membership is fixed at start (a SIGKILLed member cannot rejoin), so the
-killable processes reach the server through the host; a killed member's own RPC death is covered by
-``test_server_failures``. Every gradient is an integer vector and the primary steps plain SGD with ``lr=1``
-and ``reduce_method="sum"``, so the final weights are exactly minus the sum of the applied pushes.
+Every gradient is an integer vector and the primary steps plain SGD with ``lr=1`` and ``reduce_method="sum"``,
+so the final weights are exactly minus the sum of the applied pushes.
 """
 
 from __future__ import annotations
@@ -128,8 +131,31 @@ def _usage() -> tuple[int, int]:
     return me.memory_info().rss, me.num_threads()
 
 
-def soak_world(rank: int, seconds: float, seed: int) -> dict[str, Any]:
-    """Serve (every rank) and run the chaos (rank 0) for ``seconds``; return this rank's observations."""
+def member_grads(seed: int) -> random.Random:
+    """The gradient source of member '3' (the test replays it)."""
+    return random.Random(seed * 7 + 3)
+
+
+def _rpc_client(group: Any, seconds: float, seed: int, progress: str) -> None:
+    """Member '3': push until a timer thread SIGKILLs this process; log each acknowledged push."""
+    gs = group.get_paired("soak").to_here()
+    fd = os.open(progress, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.write(fd, f"{gs.client_id}\n".encode())
+    rng = member_grads(seed)
+    delay = random.Random(seed).uniform(0.2, 0.8) * seconds
+    threading.Timer(delay, os.kill, args=(os.getpid(), signal.SIGKILL)).start()
+    model = Vec()
+    acked = 0
+    while True:  # ends with the kill; every push is bounded by the RPC timeout
+        model.w.grad = torch.tensor([rng.randint(-3, 3) for _ in range(DIM)], dtype=torch.float64)
+        if not gs.push(model):
+            raise AssertionError("member 3's push was refused")
+        acked += 1
+        os.write(fd, f"{acked}\n".encode())  # one syscall: the kill never leaves half a line
+
+
+def soak_world(rank: int, seconds: float, seed: int, progress: str) -> dict[str, Any]:
+    """Serve (ranks 0-2), run the chaos (rank 0) or push until killed (rank 3); return what this rank saw."""
     torch.set_num_threads(1)
     from server_models import PlainSGD
 
@@ -137,8 +163,12 @@ def soak_world(rank: int, seconds: float, seed: int) -> dict[str, Any]:
 
     world = get_world()
     assert world is not None
-    group = world.create_rpc_group("soak", ["0", "1", "2"])
+    group = world.create_rpc_group("soak", ["0", "1", "2", "3"])
     out: dict[str, Any] = {}
+    if rank == 3:
+        group.barrier(WAIT_S)  # the server is paired and started
+        _rpc_client(group, seconds, seed, progress)
+    live = world.create_rpc_group("live", ["0", "1", "2"])  # barriers without the member that dies
     impl = PushPullGradServerImpl(
         "soak",
         group,
@@ -156,16 +186,17 @@ def soak_world(rank: int, seconds: float, seed: int) -> dict[str, Any]:
     out["usage_start"] = _usage()
     if rank == 0:
         out.update(_chaos(group, seconds, seed))
-    group.barrier(WAIT_S + seconds)  # the chaos is over (the reducers served meanwhile)
+    live.barrier(WAIT_S + seconds)  # the chaos is over (the reducers served meanwhile)
     out["usage_end"] = _usage()
     impl.stop(timeout=WAIT_S)
     impl.watch()
-    group.barrier(WAIT_S)  # every reducer stopped
+    live.barrier(WAIT_S)  # every reducer stopped
     if rank == 0:
         out["ledger"] = group.get_paired("soak").to_here().ledger()
         assert impl.model is not None
         out["weights"] = [int(x) for x in impl.model.w.detach().tolist()]
-    group.barrier(WAIT_S)
+    live.barrier(WAIT_S)
+    world.stop(timeout=5.0, graceful=False)  # member 3 is dead: a graceful shutdown would wait it out
     return out
 
 
@@ -219,17 +250,23 @@ class SoakOutcome:
     ledger: Any
     weights: list[int]
     usage: dict[int, tuple[tuple[int, int], tuple[int, int]]]
+    member_id: str
+    member_acked: int
 
 
-def outcome(results: list[dict[str, Any]]) -> SoakOutcome:
+def outcome(results: dict[int, dict[str, Any]], progress: str) -> SoakOutcome:
     host = results[0]
     assert not host["errors"], host["errors"]
     assert not host["alive_threads"], host["alive_threads"]
     assert not host["leftover_children"], host["leftover_children"]
+    with open(progress) as fh:
+        lines = fh.read().splitlines()
     return SoakOutcome(
         host["book"],
         host["kills"],
         host["ledger"],
         results[0]["weights"],
         {r: (results[r]["usage_start"], results[r]["usage_end"]) for r in (0, 1, 2)},
+        lines[0],
+        int(lines[-1]) if len(lines) > 1 else 0,
     )
