@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -289,3 +290,48 @@ def test_grad_server_load_refusals_and_bad_input(impls: list[PushPullGradServerI
             primary.load_state_dict(state)
     assert model.weights() == (1.0, 2.0, 3.0)
     assert primary.stats().version == 0
+
+
+def test_grad_checkpoint_while_running_is_one_steps_worth(impls: list[PushPullGradServerImpl]) -> None:
+    """Checkpoints taken while pushes are applied: model, version, steps and applied counts always agree."""
+    from server_models import PlainSGD
+
+    hub = Hub(["0", "1"])
+    impl = PushPullGradServerImpl(
+        "gs",
+        hub.group("0"),
+        secondary_reducers=["0"],
+        reduce_batch_size=1,
+        max_queue_size=1024,
+        flush_timeout=None,
+    )
+    managed = ThreeLayer()
+    impl.manage_model(managed, PlainSGD(managed.parameters()))
+    impl.start()
+    impls.append(impl)
+    client = hub.group("1").get_paired("gs").to_here()
+    pushes = 150
+    errors: list[BaseException] = []
+
+    def push_all() -> None:
+        try:
+            _push_ones(client, ThreeLayer(), pushes)
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=push_all)
+    worker.start()
+    seen = set()
+    while worker.is_alive() or impl.stats().version < pushes:
+        state = impl.state_dict()
+        primary = state["primary"]
+        version = primary["version"]
+        assert primary["steps"] == version == state["ledger"]["total"]["applied"]
+        assert primary["model"]["fc1.weight"].item() == 1.0 - version  # gradient 1, lr 1: one step each
+        seen.add(version)
+        if not worker.is_alive() and not impl.wait_for_version(pushes, WAIT):
+            break
+    worker.join(WAIT)
+    assert not errors
+    assert impl.stats().version == pushes
+    assert len(seen) > 1  # checkpoints really were taken between steps
