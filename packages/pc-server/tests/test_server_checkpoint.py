@@ -335,3 +335,33 @@ def test_grad_checkpoint_while_running_is_one_steps_worth(impls: list[PushPullGr
     assert not errors
     assert impl.stats().version == pushes
     assert len(seen) > 1  # checkpoints really were taken between steps
+
+
+def test_clients_of_a_dead_primary_get_an_error_naming_it_and_nothing_is_silent(
+    impls: list[PushPullGradServerImpl],
+) -> None:
+    from server_models import PlainSGD, backward_once
+
+    hub = Hub(["0", "1", "2"])
+    kw: dict[str, Any] = {"secondary_reducers": ["1"], "reduce_batch_size": 1, "flush_timeout": None}
+    primary = PushPullGradServerImpl("gs", hub.group("0"), **kw)
+    managed = ThreeLayer()
+    primary.manage_model(managed, PlainSGD(managed.parameters()))
+    secondary = PushPullGradServerImpl("gs", hub.group("1"), **kw)
+    impls.extend([primary, secondary])
+    for impl in (primary, secondary):
+        impl.start()
+    client = hub.group("2").get_paired("gs").to_here()
+    hub.dead.add("0")  # the primary's process is gone
+    model = ThreeLayer()
+    backward_once(model)
+    # the live secondary queues the push; the pull that ends push() names the dead ordered server
+    with pytest.raises(ConnectionError, match="'gs_o_server'"):
+        client.push(model)
+    secondary.stop(timeout=WAIT)
+    mine = secondary.ledger().clients[client.client_id]
+    assert (mine.accepted, mine.applied) == (1, 0)
+    assert mine.dropped_error + mine.dropped_shutdown == 1  # its forward failed: booked, never silent
+    with pytest.raises(ConnectionError, match="'gs'"):
+        client.ledger()  # asks the dead primary too
+    primary.stop(timeout=WAIT, secondaries_timeout=0)  # its secondary could not say it is done
