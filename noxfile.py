@@ -300,3 +300,32 @@ def fuzz(session: nox.Session) -> None:
     tests = "packages/pc-pickle/tests/test_pickle_fuzz.py"
     options = ["-k", "test_fuzz_", "-o", "timeout=0", "-o", "faulthandler_timeout=0"]
     session.run("pytest", tests, *options)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """pc-server's chaos soak for longer: ``nox -s soak -- --duration 600 [--seed 7]`` (seconds; default 300).
+
+    Clients are SIGKILLed mid-push and restarted for the whole duration; the ledger must balance and the
+    reducers' RSS and threads stay bounded (packages/pc-server/tests/test_server_soak.py).
+    """
+    args = list(session.posargs)
+    options = {"--duration": "300", "--seed": "14"}
+    while args:
+        flag = args.pop(0)
+        if flag not in options or not args:
+            session.error(f"usage: nox -s soak -- [--duration SECONDS] [--seed N]; got {flag!r}")
+        options[flag] = args.pop(0)
+    seconds = float(options["--duration"])
+    _install(session, *PACKAGES, *TEST_TOOLS)
+    _check_torch_build(session)
+    session.env.update(PC_SERVER_SOAK_SECONDS=str(seconds), PC_SERVER_SOAK_SEED=options["--seed"])
+    limit = int(seconds) + 300
+    session.run(
+        "pytest",
+        "packages/pc-server/tests/test_server_soak.py",
+        "-s",
+        f"--timeout={limit}",
+        "-o",
+        f"faulthandler_timeout={limit - 10}",
+    )

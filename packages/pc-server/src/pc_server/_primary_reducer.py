@@ -7,11 +7,14 @@ secondaries that said they are done (so that its ``stop()`` can wait for them).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
 from torch import nn
 
+from pc_server._checkpoint import check_int
+from pc_server._copy import snapshot
 from pc_server._packing import unpack
 from pc_server._reduce import Partial, drop_stale, finalize, merge_partials
 from pc_server._reducer_base import Done, Forward, ReducerHealth, ReducerRole, forward_clients, per_client
@@ -57,6 +60,9 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
         self.version = 0
         self.steps = 0
         self._done: set[str] = set()  # secondaries whose stop() finished
+        # held for a step and its ledger entries, so that a checkpoint sees the model, optimizer, version and
+        # applied counts of one and the same step
+        self.step_lock = threading.RLock()
 
     def _clients_of(self, item: tuple[Forward, float]) -> dict[str, int]:
         return forward_clients(item[0])
@@ -140,18 +146,64 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
                     clients.setdefault(v, []).append(per)
                 parts.append(part)
             self.inflight = per_client(c for cs in clients.values() for c in cs)
-            kept, _dropped = drop_stale(merge_partials(parts, None), self.version, cfg.max_staleness)
-            self.ledger.record(
-                "dropped_stale", per_client(c for v, cs in clients.items() if v not in kept for c in cs)
-            )
-            if kept:
-                grads, _count = finalize(kept, cfg.reduce_method)
-                self._step(grads)
-                self.ledger.record("applied", per_client(c for v in kept for c in clients[v]))
-                with self.health.cond:
-                    self.steps += 1
-                    self.health.cond.notify_all()
+            with self.step_lock:
+                kept, _dropped = drop_stale(merge_partials(parts, None), self.version, cfg.max_staleness)
+                self.ledger.record(
+                    "dropped_stale", per_client(c for v, cs in clients.items() if v not in kept for c in cs)
+                )
+                if kept:
+                    grads, _count = finalize(kept, cfg.reduce_method)
+                    self._step(grads)
+                    self.ledger.record("applied", per_client(c for v in kept for c in clients[v]))
+                    with self.health.cond:
+                        self.steps += 1
+                        self.health.cond.notify_all()
             self.inflight = {}
+
+    def state(self) -> dict[str, Any]:
+        """Model, optimizer and lr scheduler state dicts, version and step count (copies, one step's worth).
+
+        Raises:
+            RuntimeError: No model is managed yet.
+        """
+        if self.model is None:
+            raise RuntimeError("call manage_model() before state_dict(): the primary holds no model yet")
+        with self.step_lock:
+            return {
+                "version": self.version,
+                "steps": self.steps,
+                "model": snapshot(self.model.state_dict()),
+                "optimizer": _state_of(self.optimizer),
+                "lr_scheduler": _state_of(self.lr_scheduler),
+            }
+
+    def load(self, state: object) -> None:
+        """Restore :meth:`state`'s output into the managed objects and publish its version (before start).
+
+        Raises:
+            RuntimeError: No model is managed yet, or the ordered server refused the restored version.
+            TypeError: The checkpoint holds optimizer or scheduler state that the managed one cannot load.
+            ValueError: A malformed entry, or state that does not fit the managed objects (named).
+        """
+        model = self.model
+        if model is None:
+            raise RuntimeError("call manage_model() before load_state_dict(): the primary holds no model yet")
+        if not isinstance(state, dict) or not {"version", "steps", "model"} <= state.keys():
+            raise ValueError(f"primary state must hold version, steps and model, got {state!r:.200}")
+        version = check_int("primary version", state["version"])
+        steps = check_int("primary steps", state["steps"])
+        _load_into("optimizer", self.optimizer, state.get("optimizer"))
+        _load_into("lr_scheduler", self.lr_scheduler, state.get("lr_scheduler"))
+        _load_into("model", model, state["model"])
+        prev = self.version
+        with self.step_lock, self.health.cond:
+            self.version, self.steps = version, steps
+        set_pp_version(model, version)
+        if not self._publish(version, prev):
+            raise RuntimeError(
+                f"gradient server {self.config.server_name!r}: publishing the restored version {version} of "
+                f"{self.config.model_name!r} was refused; another process writes the same key"
+            )
 
     def _step(self, grads: dict[str, torch.Tensor]) -> None:
         model = self.model
@@ -188,3 +240,23 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
         if self.o_server_impl is not None:  # hosted here: no RPC, and the snapshot is already private
             return self.o_server_impl.push_snapshot(self.config.model_name, snap, version, prev)
         return self.o_server.push(self.config.model_name, snap, version, prev)
+
+
+def _state_of(obj: Any) -> Any:
+    state_dict = getattr(obj, "state_dict", None)
+    return snapshot(state_dict()) if callable(state_dict) else None
+
+
+def _load_into(what: str, obj: Any, state: Any) -> None:
+    """Load a checkpointed state dict into the managed ``obj``; mismatches name ``what``."""
+    loader = getattr(obj, "load_state_dict", None)
+    if state is None:
+        if callable(loader):
+            raise ValueError(f"the checkpoint holds no {what} state but the managed {what} has one")
+        return
+    if not callable(loader):
+        raise TypeError(f"the checkpoint holds {what} state but the managed {what} cannot load_state_dict()")
+    try:
+        loader(state)
+    except (RuntimeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"the checkpoint's {what} state does not fit the managed {what}: {exc}") from exc

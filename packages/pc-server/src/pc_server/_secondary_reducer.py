@@ -12,7 +12,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
+from pc_server._checkpoint import check_int
 from pc_server._packing import pack, unpack
 from pc_server._reduce import drop_stale, reduce_pushes
 from pc_server._reducer_base import (
@@ -120,6 +122,32 @@ class SecondaryReducer(ReducerRole[Queued]):
             self._last_seq[message.client] = (message.seq, True)
         self.ledger.record("accepted", {message.client: 1})
         return True, head
+
+    def state(self) -> dict[str, Any]:
+        """The ``(client, seq)`` table and the known head, for a checkpoint."""
+        with self._lock:
+            return {
+                "dedup": {c: [seq, ok] for c, (seq, ok) in self._last_seq.items()},
+                "head": self._known_head,
+            }
+
+    def load(self, state: object) -> None:
+        """Restore :meth:`state`'s output (before the server starts).
+
+        Raises:
+            ValueError: A malformed entry, named in the message.
+        """
+        if not isinstance(state, dict) or not isinstance(state.get("dedup"), dict):
+            raise ValueError(f"secondary state must be {{'dedup': {{...}}, 'head': int}}, got {state!r}")
+        table: dict[str, tuple[int, bool]] = {}
+        for client, entry in state["dedup"].items():
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], bool)):
+                raise ValueError(f"dedup entry of client {client!r} must be [seq, accepted], got {entry!r}")
+            table[str(client)] = (check_int(f"dedup[{client!r}] seq", entry[0]), entry[1])
+        head = check_int("secondary head", state.get("head"))
+        with self._lock:
+            self._last_seq = table
+            self._known_head = head
 
     def say_done(self) -> None:
         """Tell the primary this secondary forwarded everything (after :meth:`stop`)."""

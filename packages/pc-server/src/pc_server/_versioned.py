@@ -209,6 +209,37 @@ class VersionedStore:
                 return PullResult(True, chain[head], head)
             return PullResult(False, None, head)
 
+    def entries(self) -> dict[Any, list[tuple[Any, Any]]]:
+        """Every key's retained ``(version, value)`` pairs, oldest first (the stored values, not copies)."""
+        with self._lock:
+            return {key: list(chain.items()) for key, chain in self._entries.items()}
+
+    def replace_entries(self, entries: dict[Any, list[tuple[Any, Any]]]) -> None:
+        """Replace the whole content at once (values stored as given); longer chains keep their newest.
+
+        Args:
+            entries: ``{key: [(version, value), ...]}``, oldest first, as :meth:`entries` returns.
+
+        Raises:
+            TypeError: A key or a version is not hashable.
+            ValueError: A chain is empty, repeats a version or holds the version ``None``.
+        """
+        new: dict[Any, OrderedDict[Any, Any]] = {}
+        for key, chain in entries.items():
+            _check_key(key)
+            if not chain:
+                raise ValueError(f"key {key!r} has no versions")
+            versions = [version for version, _value in chain]
+            if any(version is None for version in versions):
+                raise ValueError(f"key {key!r} holds the version None")
+            if not all(isinstance(version, Hashable) for version in versions):
+                raise TypeError(f"key {key!r} holds an unhashable version")
+            if len(set(versions)) != len(versions):
+                raise ValueError(f"key {key!r} repeats a version: {versions}")
+            new[key] = OrderedDict(chain[-self._depth :])
+        with self._lock:
+            self._entries = new
+
     def versions(self, key: Any) -> list[Any]:
         """The retained versions of ``key``, oldest first (empty if absent)."""
         _check_key(key)

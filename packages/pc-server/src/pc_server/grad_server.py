@@ -22,7 +22,6 @@ each owning its queue, thread and counters; every push they handle is booked in 
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from typing import Any
 
@@ -30,11 +29,13 @@ import torch
 from torch import nn
 
 from pc_server._forward import deliver_forward, register_primary
+from pc_server._grad_checkpoint import grad_state, load_grad_state
 from pc_server._group import GroupLike, call_member, check_group
 from pc_server._packing import Packed
 from pc_server._primary_reducer import PrimaryReducer
 from pc_server._reducer_base import Done, Forward, ReducerHealth
 from pc_server._secondary_reducer import SecondaryReducer
+from pc_server._stats import GradServerStats
 from pc_server.errors import ReducerStoppedError
 from pc_server.grad_client import (
     LEDGER_LEVEL,
@@ -49,34 +50,6 @@ from pc_server.ledger import GradLedger, LedgerBook
 from pc_server.ordered_server import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
 __all__ = ["GradServerStats", "PushPullGradServerImpl"]
-
-
-@dataclasses.dataclass
-class GradServerStats:
-    """Counters of one reducer process (a snapshot; see :meth:`PushPullGradServerImpl.stats`).
-
-    The per-client account of every push is :meth:`PushPullGradServerImpl.ledger`.
-
-    Attributes:
-        received: Client pushes accepted (queued) here (as a secondary).
-        duplicates: Client pushes recognised as a retry of a received ``(client, seq)``.
-        dropped_stale: Pushes refused or dropped because their version was more than ``max_staleness`` behind.
-        dropped_overflow: Queue items (a push, or a forwarded bundle) dropped because a queue exceeded
-            ``max_queue_size``.
-        forwarded: Partial-sum bundles sent to the primary.
-        steps: Optimizer steps taken (primary).
-        applied: Client pushes contained in those steps (primary).
-        version: The managed model's version (primary; else the newest version this secondary has heard of).
-    """
-
-    received: int = 0
-    duplicates: int = 0
-    dropped_stale: int = 0
-    dropped_overflow: int = 0
-    forwarded: int = 0
-    steps: int = 0
-    applied: int = 0
-    version: int = 0
 
 
 class PushPullGradServerImpl:
@@ -367,6 +340,39 @@ class PushPullGradServerImpl:
         ledger is balanced: ``accepted == applied + dropped``.
         """
         return self._ledger.snapshot()
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint of this reducer process for ``torch.save`` (recipe: docs/server.md, "Checkpoint").
+
+        The primary's part: model, optimizer and scheduler state, version and steps, of one step (safe while
+        running); a secondary's: its ``(client, seq)`` table; every process's: its :meth:`ledger`. Queued
+        pushes are not in it: a checkpoint taken after :meth:`stop` restores a ledger that balances.
+
+        Raises:
+            RuntimeError: On the primary, before :meth:`manage_model`.
+        """
+        return grad_state(self.config, self._primary, self._secondary, self._ledger)
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore this process's :meth:`state_dict` after :meth:`manage_model` and before :meth:`start`.
+
+        The primary loads into the managed objects and publishes the restored version for clients to pull.
+
+        Args:
+            state: The checkpoint this reducer (same server name, same roles) wrote.
+
+        Raises:
+            RuntimeError: The server already started or stopped, or (primary) no model is managed yet.
+            TypeError: ``state`` is not a dict, or holds state a managed object cannot load.
+            ValueError: Another server's or role's checkpoint, or entries that do not fit (named).
+        """
+        with self._lock:  # start() waits: a running server is never loaded into
+            if self._started or self._stopped:
+                raise RuntimeError(
+                    f"gradient server {self.server_name!r}: load_state_dict() must be called before start()"
+                )
+            load_grad_state(self.config, self._primary, self._secondary, self._ledger, state)
 
     # ------------------------------------------------------------------ services
     def _push_service(self, payload: Any, level: int) -> Any:

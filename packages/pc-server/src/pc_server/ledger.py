@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = ["GradLedger", "PushCounts"]
 
@@ -133,3 +134,34 @@ class LedgerBook:
                 dataclasses.replace(self._ledger.total),
                 {c: dataclasses.replace(n) for c, n in self._ledger.clients.items()},
             )
+
+    def state(self) -> dict[str, Any]:
+        """The counts as plain dicts (for a checkpoint): ``{"total": {...}, "clients": {client: {...}}}``."""
+        snap = self.snapshot()
+        return {
+            "total": dataclasses.asdict(snap.total),
+            "clients": {c: dataclasses.asdict(n) for c, n in snap.clients.items()},
+        }
+
+    def load(self, state: object) -> None:
+        """Replace the counts with :meth:`state`'s output.
+
+        Raises:
+            ValueError: A missing or unknown field, a negative or non-int count (named in the message).
+        """
+        if not isinstance(state, Mapping) or not isinstance(state.get("clients"), Mapping):
+            raise ValueError(f"ledger state must be {{'total': ..., 'clients': {{...}}}}, got {state!r}")
+        total = _counts("ledger total", state.get("total"))
+        clients = {str(c): _counts(f"ledger of client {c!r}", n) for c, n in state["clients"].items()}
+        with self._lock:
+            self._ledger = GradLedger(total, clients)
+
+
+def _counts(what: str, value: object) -> PushCounts:
+    if not isinstance(value, Mapping) or set(value) != set(_FIELDS):
+        raise ValueError(f"{what} must map exactly the fields {_FIELDS}, got {value!r}")
+    for name in _FIELDS:
+        n = value[name]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{what}: {name} must be an int >= 0, got {n!r}")
+    return PushCounts(**{name: int(value[name]) for name in _FIELDS})

@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from pc_server._checkpoint import check_state, header
 from pc_server._group import GroupLike, check_group, check_name
 from pc_server._state import check_model, get_pp_version, load_snapshot, model_snapshot, set_pp_version
 from pc_server._versioned import is_newer
@@ -27,6 +28,9 @@ from pc_server.ordered_server import OrderedServerBase, OrderedServerSimple, Ord
 __all__ = ["PushPullModelServer", "PushPullModelServerImpl", "pull_model", "push_model"]
 
 logger = logging.getLogger(__name__)
+
+
+_MODEL_FORMAT = "pc_server.PushPullModelServerImpl"
 
 
 def _check_o_server(o_server: object) -> OrderedServerBase:
@@ -200,3 +204,45 @@ class PushPullModelServerImpl:
         self.o_server = _check_o_server(o_server)
         group.pair(server_name, PushPullModelServer(self.model_name, self.o_server))
         logger.debug("model server %r serving on %r", server_name, group.get_cur_name())
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint of the hosted ordered server: the model's retained versions, for ``torch.save``.
+
+        Returns:
+            ``{"format", "format_version", "model_name", "o_server"}`` (the ordered server's state dict).
+
+        Raises:
+            RuntimeError: The ordered server is not hosted here (a custom ``o_server``): checkpoint that one.
+        """
+        hosted = self._hosted().state_dict()
+        return {**header(_MODEL_FORMAT), "model_name": self.model_name, "o_server": hosted}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore a checkpoint from :meth:`state_dict`: clients then pull the checkpoint's newest version.
+
+        Well defined while serving (the ordered server swaps its content in one step); a client whose
+        ``pp_version`` is newer than the restored head keeps its model until it pushes and is refused.
+
+        Args:
+            state: The checkpoint.
+
+        Raises:
+            TypeError: ``state`` is not a dict.
+            ValueError: Another server's checkpoint, another model name, or a malformed entry (named).
+            RuntimeError: The ordered server is not hosted here.
+        """
+        state = check_state(state, _MODEL_FORMAT, ("model_name", "o_server"))
+        if state["model_name"] != self.model_name:
+            raise ValueError(
+                f"model server state_dict holds model {state['model_name']!r}, this server manages "
+                f"{self.model_name!r}"
+            )
+        self._hosted().load_state_dict(state["o_server"])
+
+    def _hosted(self) -> OrderedServerSimpleImpl:
+        if self._o_server_impl is None:
+            raise RuntimeError(
+                f"model server {self.server_name!r} uses a custom o_server {self.o_server!r}; "
+                "checkpoint that server instead"
+            )
+        return self._o_server_impl

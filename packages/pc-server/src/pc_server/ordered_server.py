@@ -18,6 +18,7 @@ import abc
 import logging
 from typing import Any
 
+from pc_server._checkpoint import check_state, header
 from pc_server._copy import snapshot
 from pc_server._group import GroupLike, call_service, check_group, check_name
 from pc_server._versioned import PullResult, PushResult, VersionedStore
@@ -63,6 +64,9 @@ class OrderedServerBase(abc.ABC):
         Returns:
             ``(value, version)``, or ``None`` if the key or the version is not stored (or was trimmed).
         """
+
+
+_ORDERED_FORMAT = "pc_server.OrderedServerSimpleImpl"
 
 
 def _service_names(server_name: str) -> tuple[str, str, str]:
@@ -244,6 +248,49 @@ class OrderedServerSimpleImpl:
         """
         found = self._store.pull(key, version)
         return None if found is None else (snapshot(found[0]), found[1])
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint of every key with all its retained versions (private copies), for ``torch.save``.
+
+        Safe while the server is serving: the content is read in one step under the store's lock.
+
+        Returns:
+            ``{"format", "format_version", "server_name", "version_depth", "entries"}`` with ``entries``
+            ``{key: [(version, value), ...]}``, oldest first.
+        """
+        entries = self._store.entries()
+        return {
+            **header(_ORDERED_FORMAT),
+            "server_name": self.server_name,
+            "version_depth": self.version_depth,
+            "entries": {key: [(v, snapshot(value)) for v, value in chain] for key, chain in entries.items()},
+        }
+
+    def load_state_dict(self, state: Any) -> None:
+        """Replace the whole content with a checkpoint from :meth:`state_dict` (any server name).
+
+        Well defined while serving: the content is swapped in one step, so a concurrent push or pull sees
+        either the old or the loaded content, and a compare-and-set push afterwards must name the loaded
+        head. A key with more versions than this server's ``version_depth`` keeps its newest ones.
+
+        Args:
+            state: The checkpoint.
+
+        Raises:
+            TypeError: ``state`` is not a dict, or a key or version is not hashable.
+            ValueError: Another server's checkpoint or a malformed entry (named in the message).
+        """
+        entries = check_state(state, _ORDERED_FORMAT, ("entries",))["entries"]
+        if not isinstance(entries, dict):
+            raise ValueError(f"ordered server state_dict entry 'entries' must be a dict, got {entries!r}")
+        chains: dict[Any, list[tuple[Any, Any]]] = {}
+        for key, chain in entries.items():
+            if not isinstance(chain, (list, tuple)) or not all(
+                isinstance(item, (list, tuple)) and len(item) == 2 for item in chain
+            ):
+                raise ValueError(f"ordered server state_dict: key {key!r} must map to [(version, value)]")
+            chains[key] = [(v, snapshot(value)) for v, value in chain]
+        self._store.replace_entries(chains)
 
     # Services: arguments arrive freshly deserialised and replies are serialised, so no copies are needed.
     def _push_service(

@@ -1,0 +1,367 @@
+"""Issue 14 part 4 in process: the servers' state dicts (round trip via torch.save, refusals, bad input)."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from server_fakegroup import Hub
+from server_models import ThreeLayer
+
+from pc_server import (
+    REDUCE_SLAVE,
+    GradLedger,
+    OrderedServerSimple,
+    OrderedServerSimpleImpl,
+    PushPullGradServerImpl,
+    PushPullModelServerImpl,
+)
+from pc_server._packing import pack
+from pc_server.grad_client import GradMessage, reducer_service_name
+
+WAIT = 20.0
+
+
+def _through_disk(state: dict[str, Any]) -> Any:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+# ------------------------------------------------------------------------------------------- ordered server
+def test_ordered_round_trip_keeps_every_version(hub3: Hub) -> None:
+    server = OrderedServerSimpleImpl("kv", hub3.group("0"), version_depth=3)
+    client = OrderedServerSimple("kv", hub3.group("1"))
+    for v in range(1, 5):
+        assert client.push("a", torch.full((2,), float(v)), v, v - 1 if v > 1 else None)
+    assert client.push("b", {"x": 7}, "tag", None)
+    state = _through_disk(server.state_dict())
+    assert [v for v, _ in state["entries"]["a"]] == [2, 3, 4]
+
+    restored = OrderedServerSimpleImpl("kv2", Hub(["0"]).group("0"), version_depth=3)
+    restored.load_state_dict(state)
+    for v in (2, 3, 4):
+        value, version = restored.pull("a", v)
+        assert version == v
+        assert value.tolist() == [float(v)] * 2
+    assert restored.pull("b") == ({"x": 7}, "tag")
+    assert restored.pull("a", 1) is None  # trimmed before the checkpoint
+    # the loaded head is the head: a compare-and-set must name it
+    assert restored.push("a", torch.zeros(2), 5, 3) is False
+    assert restored.push("a", torch.zeros(2), 5, 4) is True
+
+
+def test_ordered_state_is_a_copy_and_loading_while_serving_swaps_content(hub3: Hub) -> None:
+    server = OrderedServerSimpleImpl("kv", hub3.group("0"))
+    client = OrderedServerSimple("kv", hub3.group("1"))
+    client.push("a", torch.ones(2), 1, None)
+    state = server.state_dict()
+    state["entries"]["a"][0][1].fill_(9.0)  # mutating the checkpoint does not touch the server
+    assert server.pull("a")[0].tolist() == [1.0, 1.0]
+    client.push("a", torch.zeros(2), 2, 1)
+    server.load_state_dict(state)  # well defined while serving: the whole content is replaced
+    value, version = client.pull("a")
+    assert version == 1
+    assert value.tolist() == [9.0, 9.0]
+    assert client.push("a", torch.zeros(2), 3, 2) is False  # the pre-load head 2 is gone
+
+
+def test_ordered_load_trims_to_this_servers_depth(hub3: Hub) -> None:
+    deep = OrderedServerSimpleImpl("kv", hub3.group("0"), version_depth=4)
+    for v in range(1, 5):
+        deep.push("a", v, v, v - 1 if v > 1 else None)
+    shallow = OrderedServerSimpleImpl("kv2", hub3.group("0"), version_depth=2)
+    shallow.load_state_dict(deep.state_dict())
+    assert shallow._store.versions("a") == [3, 4]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda s: [1, 2], TypeError, "state_dict must be a dict"),
+        (
+            lambda s: {**s, "format": "pc_server.PushPullModelServerImpl"},
+            ValueError,
+            "PushPullModelServerImpl",
+        ),
+        (lambda s: {**s, "format_version": 99}, ValueError, "format_version 99"),
+        (lambda s: {k: v for k, v in s.items() if k != "entries"}, ValueError, r"lacks \['entries'\]"),
+        (lambda s: {**s, "entries": {"a": [(1, "x", "extra")]}}, ValueError, "key 'a' must map to"),
+        (lambda s: {**s, "entries": {"a": [(1, "x"), (1, "y")]}}, ValueError, "key 'a' repeats a version"),
+        (lambda s: {**s, "entries": {"a": [(None, "x")]}}, ValueError, "key 'a' holds the version None"),
+        (lambda s: {**s, "entries": {"a": []}}, ValueError, "key 'a' has no versions"),
+    ],
+)
+def test_ordered_bad_state_is_named_and_changes_nothing(
+    hub3: Hub, mutate: Any, error: type, match: str
+) -> None:
+    server = OrderedServerSimpleImpl("kv", hub3.group("0"))
+    server.push("k", 1, 1, None)
+    with pytest.raises(error, match=match):
+        server.load_state_dict(mutate(server.state_dict()))
+    assert server.pull("k") == (1, 1)
+
+
+# --------------------------------------------------------------------------------------------- model server
+def test_model_server_round_trip(hub3: Hub) -> None:
+    impl = PushPullModelServerImpl("ms", hub3.group("0"))
+    client = hub3.group("1").get_paired("ms").to_here()
+    model = ThreeLayer()
+    for _ in range(3):
+        with torch.no_grad():
+            model.fc1.weight.add_(1.0)
+        assert client.push(model)
+    state = _through_disk(impl.state_dict())
+
+    hub = Hub(["0", "1"])
+    restored = PushPullModelServerImpl("ms", hub.group("0"))
+    restored.load_state_dict(state)
+    fresh = ThreeLayer()
+    assert hub.group("1").get_paired("ms").to_here().pull(fresh)
+    assert fresh.pp_version == 3
+    assert fresh.weights() == (4.0, 2.0, 3.0)
+
+    with pytest.raises(ValueError, match="holds model 'model', this server manages 'other'"):
+        PushPullModelServerImpl("ms2", hub.group("0"), model_name="other").load_state_dict(state)
+    with pytest.raises(ValueError, match=r"written by 'pc_server\.PushPullModelServerImpl'"):
+        OrderedServerSimpleImpl("kv", hub.group("0")).load_state_dict(state)
+    custom = PushPullModelServerImpl(
+        "ms3", hub.group("0"), o_server=OrderedServerSimple("ms_o_server", hub.group("0"))
+    )
+    with pytest.raises(RuntimeError, match="custom o_server"):
+        custom.state_dict()
+
+
+# ------------------------------------------------------------------------------------------------ grad server
+@pytest.fixture
+def impls() -> Iterator[list[PushPullGradServerImpl]]:
+    created: list[PushPullGradServerImpl] = []
+    yield created
+    for impl in reversed(created):
+        impl.stop(timeout=WAIT)
+
+
+def _optim(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def _build(hub: Hub, impls: list[PushPullGradServerImpl], model: torch.nn.Module, state: Any = None) -> Any:
+    """Primary '0' (also a secondary) and secondary '1'; B=1 so that every push is one step."""
+    built = []
+    for name in ("0", "1"):
+        impl = PushPullGradServerImpl(
+            "gs", hub.group(name), secondary_reducers=["0", "1"], reduce_batch_size=1, flush_timeout=None
+        )
+        if name == "0":
+            impl.manage_model(model, *_optim(model))
+        if state is not None:
+            impl.load_state_dict(state[name])
+        impls.append(impl)
+        built.append(impl)
+    for impl in built:
+        impl.start()
+    return built
+
+
+def _push_ones(client: Any, model: ThreeLayer, n: int) -> None:
+    for _ in range(n):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        assert client.push(model) is True
+
+
+def _serial(n: int) -> ThreeLayer:
+    ref = ThreeLayer()
+    opt, sched = _optim(ref)
+    for _ in range(n):
+        for p in ref.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        sched.step()
+    return ref
+
+
+def test_grad_server_restart_resumes_weights_optimizer_version_ledger_dedup(
+    impls: list[PushPullGradServerImpl],
+) -> None:
+    hub = Hub(["0", "1", "2"])
+    reducers = _build(hub, impls, ThreeLayer())
+    client = hub.group("2").get_paired("gs").to_here()
+    worker = ThreeLayer()
+    _push_ones(client, worker, 4)
+    last_target = client.secondary_reducers[(client._peek() - 1) % 2]  # where push 4 went
+    assert reducers[0].wait_for_version(4, WAIT)
+    for impl in reversed(reducers):
+        impl.stop(timeout=WAIT)
+    before = GradLedger.merge(r.ledger() for r in reducers)
+    state = _through_disk({"0": reducers[0].state_dict(), "1": reducers[1].state_dict()})
+    assert state["0"]["primary"]["version"] == 4
+    assert state["1"]["primary"] is None
+
+    hub2 = Hub(["0", "1", "2"])
+    managed = ThreeLayer()
+    with torch.no_grad():
+        managed.fc1.weight.fill_(-5.0)  # overwritten by the checkpoint
+    restored = _build(hub2, impls, managed, state)
+    assert restored[0].stats().version == 4
+    assert managed.pp_version == 4
+    assert managed.weights() == _serial(4).weights()
+    assert restored[0].optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
+    assert GradLedger.merge(r.ledger() for r in restored) == before
+
+    # the dedup table came back: the old client's last (client, seq) retried is a duplicate, not applied twice
+    again = GradMessage(
+        pack({n: torch.ones_like(p) for n, p in worker.named_parameters()}), client.client_id, 4, 4
+    )
+    reply = hub2.group("2").registered_sync(
+        reducer_service_name("gs", last_target), args=(again, REDUCE_SLAVE)
+    )
+    assert reply[0] is True  # answered as the first time
+
+    fresh = hub2.group("2").get_paired("gs").to_here()
+    model = ThreeLayer()
+    assert fresh.pull(model)
+    assert model.pp_version == 4
+    _push_ones(fresh, model, 3)
+    assert restored[0].wait_for_version(7, WAIT)
+    for impl in reversed(restored):
+        impl.stop(timeout=WAIT)
+    assert managed.weights() == pytest.approx(_serial(7).weights())
+    after = GradLedger.merge(r.ledger() for r in restored)
+    assert after.balanced()
+    assert (after.total.accepted, after.total.applied, after.total.duplicates) == (7, 7, 1)
+    assert after.clients[client.client_id].applied == 4
+    assert after.clients[fresh.client_id].applied == 3
+
+
+def test_grad_server_load_refusals_and_bad_input(impls: list[PushPullGradServerImpl]) -> None:
+    hub = Hub(["0", "1", "2"])
+    reducers = _build(hub, impls, ThreeLayer())
+    good = {"0": reducers[0].state_dict(), "1": reducers[1].state_dict()}
+    with pytest.raises(RuntimeError, match="must be called before start"):
+        reducers[0].load_state_dict(good["0"])
+
+    hub2 = Hub(["0", "1", "2"])
+    primary = PushPullGradServerImpl("gs", hub2.group("0"), secondary_reducers=["0", "1"])
+    impls.append(primary)
+    with pytest.raises(RuntimeError, match="call manage_model"):
+        primary.load_state_dict(good["0"])
+    model = ThreeLayer()
+    primary.manage_model(model, *_optim(model))
+    secondary = PushPullGradServerImpl("gs", hub2.group("1"), secondary_reducers=["0", "1"])
+    impls.append(secondary)
+    with pytest.raises(ValueError, match="written by '0', a primary reducer, but '1' is not one"):
+        secondary.load_state_dict(good["0"])
+    with pytest.raises(ValueError, match="written by '1', not a primary reducer, but '0' is one"):
+        primary.load_state_dict(good["1"])
+    cases: list[tuple[Any, type, str]] = [
+        ({**good["0"], "server_name": "other"}, ValueError, "server_name 'other', this server has 'gs'"),
+        (good["0"]["primary"], ValueError, "written by None"),
+        ({**good["0"], "ledger": {"total": {}, "clients": {}}}, ValueError, "ledger total must map"),
+        (
+            {**good["0"], "secondary": {"dedup": {"c": [-1, True]}, "head": 0}},
+            ValueError,
+            r"dedup\['c'\] seq must be an int >= 0",
+        ),
+        (
+            {**good["0"], "primary": {**good["0"]["primary"], "model": {"fc9.weight": torch.ones(1, 1)}}},
+            ValueError,
+            "model state does not fit the managed model",
+        ),
+        (
+            {**good["0"], "primary": {**good["0"]["primary"], "lr_scheduler": None}},
+            ValueError,
+            "holds no lr_scheduler state but the managed lr_scheduler has one",
+        ),
+        (
+            {**good["0"], "primary": {**good["0"]["primary"], "version": -3}},
+            ValueError,
+            "primary version must be an int >= 0",
+        ),
+    ]
+    for state, error, match in cases:
+        with pytest.raises(error, match=match):
+            primary.load_state_dict(state)
+    assert model.weights() == (1.0, 2.0, 3.0)
+    assert primary.stats().version == 0
+
+
+def test_grad_checkpoint_while_running_is_one_steps_worth(impls: list[PushPullGradServerImpl]) -> None:
+    """Checkpoints taken while pushes are applied: model, version, steps and applied counts always agree."""
+    from server_models import PlainSGD
+
+    hub = Hub(["0", "1"])
+    impl = PushPullGradServerImpl(
+        "gs",
+        hub.group("0"),
+        secondary_reducers=["0"],
+        reduce_batch_size=1,
+        max_queue_size=1024,
+        flush_timeout=None,
+    )
+    managed = ThreeLayer()
+    impl.manage_model(managed, PlainSGD(managed.parameters()))
+    impl.start()
+    impls.append(impl)
+    client = hub.group("1").get_paired("gs").to_here()
+    pushes = 150
+    errors: list[BaseException] = []
+
+    def push_all() -> None:
+        try:
+            _push_ones(client, ThreeLayer(), pushes)
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=push_all)
+    worker.start()
+    seen = set()
+    while worker.is_alive() or impl.stats().version < pushes:
+        state = impl.state_dict()
+        primary = state["primary"]
+        version = primary["version"]
+        assert primary["steps"] == version == state["ledger"]["total"]["applied"]
+        assert primary["model"]["fc1.weight"].item() == 1.0 - version  # gradient 1, lr 1: one step each
+        seen.add(version)
+        if not worker.is_alive() and not impl.wait_for_version(pushes, WAIT):
+            break
+    worker.join(WAIT)
+    assert not errors
+    assert impl.stats().version == pushes
+    assert len(seen) > 1  # checkpoints really were taken between steps
+
+
+def test_clients_of_a_dead_primary_get_an_error_naming_it_and_nothing_is_silent(
+    impls: list[PushPullGradServerImpl],
+) -> None:
+    from server_models import PlainSGD, backward_once
+
+    hub = Hub(["0", "1", "2"])
+    kw: dict[str, Any] = {"secondary_reducers": ["1"], "reduce_batch_size": 1, "flush_timeout": None}
+    primary = PushPullGradServerImpl("gs", hub.group("0"), **kw)
+    managed = ThreeLayer()
+    primary.manage_model(managed, PlainSGD(managed.parameters()))
+    secondary = PushPullGradServerImpl("gs", hub.group("1"), **kw)
+    impls.extend([primary, secondary])
+    for impl in (primary, secondary):
+        impl.start()
+    client = hub.group("2").get_paired("gs").to_here()
+    hub.dead.add("0")  # the primary's process is gone
+    model = ThreeLayer()
+    backward_once(model)
+    # the live secondary queues the push; the pull that ends push() names the dead ordered server
+    with pytest.raises(ConnectionError, match="'gs_o_server'"):
+        client.push(model)
+    secondary.stop(timeout=WAIT)
+    mine = secondary.ledger().clients[client.client_id]
+    assert (mine.accepted, mine.applied) == (1, 0)
+    assert mine.dropped_error + mine.dropped_shutdown == 1  # its forward failed: booked, never silent
+    with pytest.raises(ConnectionError, match="'gs'"):
+        client.ledger()  # asks the dead primary too
+    primary.stop(timeout=WAIT, secondaries_timeout=0)  # its secondary could not say it is done
