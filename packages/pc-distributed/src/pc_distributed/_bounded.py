@@ -1,0 +1,49 @@
+"""Run a call that torch may block in forever on a helper thread, and give up on it after a deadline.
+
+torch's ``TCPStore`` bounds ``wait`` by its timeout, but not the other requests: ``add``, ``check``,
+``compare_set`` and ``get`` wait for the server's reply with no deadline, and the client's constructor
+waits for the server's handshake with none either. When the store's host is partitioned away or frozen
+(the TCP connection stays open, nothing answers) those calls block until TCP gives up on the connection,
+which takes about 15 minutes with Linux's defaults (``net.ipv4.tcp_retries2``) and forever on a listening
+socket that accepts and never answers. :func:`call_bounded` runs such a call on a daemon thread and raises
+``TimeoutError`` when the deadline passes. The abandoned thread stays blocked until the connection fails
+(or the process exits); whatever it was using must not be used again, so callers treat the store as lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+__all__ = ["call_bounded"]
+
+T = TypeVar("T")
+
+
+def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
+    """Return ``fn()``, or raise ``TimeoutError`` naming ``what`` if it has not returned within ``timeout``.
+
+    ``fn``'s own exception is re-raised in the caller. On a timeout ``fn`` keeps running on its daemon thread
+    (Python cannot interrupt a thread blocked in C++); its result, if it ever comes, is dropped.
+
+    Raises:
+        TimeoutError: If ``fn`` did not finish within ``timeout`` seconds.
+    """
+    done = threading.Event()
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"pc-distributed-bounded: {what}", daemon=True).start()
+    if not done.wait(timeout):
+        raise TimeoutError(f"{what}: no answer within {timeout:g} s")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
