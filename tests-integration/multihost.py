@@ -5,10 +5,10 @@ Topology (nothing is added to the caller's own network namespace)::
     <tag>-sw   a "switch" namespace holding the bridge ``br0``; one port ``p<i>`` per host
     <tag>-h<i> host ``i``: ``lo`` and ``eth0`` (10.231.0.<i+1>/24), the other end of ``p<i>``
 
-Every name carries a per-run tag (pid + random), so parallel runs never collide, and the addresses exist only
-inside the namespaces made here. :class:`SimHosts` is a context manager whose exit (also on an exception or
-Ctrl-C) kills every process in its host namespaces (they are all ours: nothing else runs there) and deletes the
-namespaces, which removes their links and addresses with them.
+Every name carries a per-run tag (pid + random), so parallel runs never collide, and the addresses exist
+only inside the namespaces made here. :class:`SimHosts` is a context manager whose exit (also on an exception
+or Ctrl-C) kills every process in its host namespaces (they are all ours: nothing else runs there) and
+deletes the namespaces, which removes their links and addresses with them.
 
 Fault helpers: :meth:`SimHosts.cut` / :meth:`SimHosts.heal` take a host's switch port down / up (its cable
 pulled: the host's ``eth0`` loses carrier, its packets go nowhere and nobody's reach it);
@@ -20,6 +20,7 @@ Needs root and ``ip netns``; :func:`unavailable_reason` says why not, for a skip
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -123,10 +124,8 @@ class SimHosts:
     def close(self) -> None:
         """Kill every process of every host, then delete the namespaces (idempotent, never raises)."""
         for i in range(len(self._made) - 1):
-            try:
+            with contextlib.suppress(Exception):  # teardown goes on
                 self.kill_host(i)
-            except Exception:  # noqa: BLE001 - teardown goes on
-                pass
         for ns in reversed(self._made):
             _ip("netns", "delete", ns, check=False)
         self._made.clear()
@@ -165,10 +164,8 @@ class SimHosts:
     def _signal(self, i: int, sig: signal.Signals) -> list[int]:
         pids = self.pids(i)
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
         return pids
 
     def kill_host(self, i: int) -> None:
@@ -239,11 +236,13 @@ class TorchrunJob:
         """Wait for every torchrun to exit; return their exit codes (TimeoutError naming the logs if not)."""
         deadline = time.monotonic() + timeout
         codes = []
-        for proc, log in zip(self.procs, self.logs):
+        for proc, log in zip(self.procs, self.logs, strict=True):
             try:
                 codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
-                raise TimeoutError(f"torchrun did not exit in {timeout:g} s; log:\n{self.tail(log)}") from None
+                raise TimeoutError(
+                    f"torchrun did not exit in {timeout:g} s; log:\n{self.tail(log)}"
+                ) from None
         return codes
 
     def tail(self, log: Path, chars: int = 4000) -> str:

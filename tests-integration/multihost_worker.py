@@ -10,6 +10,8 @@ Scenarios:
         barrier), then stop.
     fault: warm up, wait for ``go``, then rpc_sync(timeout=CALL) to the same local rank on the next host and
         an all_reduce (group timeout CALL); record what each raised and how long it took, then World.stop().
+    heal: the same with HEAL_CALL; each rank writes ``calling<r>`` before its calls (the test heals the
+        partition once all have), and the calls are expected to complete.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from pc_distributed import World
 
 CALL = 5.0  # seconds of the faulted rpc_sync and all_reduce
+HEAL_CALL = 60.0  # the same, in the scenario whose partition heals before the timeout
 DIST_TIMEOUT = 20.0  # the World's store/rendezvous timeout
 STOP = 5.0  # World.stop(timeout=...)
 ENV_KEYS = (
@@ -97,17 +100,22 @@ def _timed(fn: Any) -> dict[str, Any]:
     try:
         result = fn()
         return {"ok": True, "result": repr(result), "s": time.monotonic() - start}
-    except BaseException as exc:  # noqa: BLE001 - recorded for the test
-        return {"ok": False, "error": type(exc).__name__, "message": str(exc)[:300], "s": time.monotonic() - start}
+    except BaseException as exc:  # recorded for the test
+        return {
+            "ok": False,
+            "error": type(exc).__name__,
+            "message": str(exc)[:300],
+            "s": time.monotonic() - start,
+        }
 
 
-def fault(out: Path) -> None:
+def fault(out: Path, call: float = CALL) -> None:
     """Warm up, wait for the test's fault, then call across hosts and stop (every step timed)."""
     rank = int(os.environ["RANK"])
     size = int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_WORLD_SIZE"])
-    world = World(name=f"w{rank}", dist_timeout=DIST_TIMEOUT, rpc_timeout=CALL)
-    everyone = world.create_collective_group(list(range(size)), timeout=CALL)
+    world = World(name=f"w{rank}", dist_timeout=DIST_TIMEOUT, rpc_timeout=call)
+    everyone = world.create_collective_group(list(range(size)), timeout=call)
     group = world.create_rpc_group("g", world.get_members())
     peer = f"w{(rank + local) % size}"
     warm = torch.ones(1)
@@ -121,8 +129,11 @@ def fault(out: Path) -> None:
             raise SystemExit("no go from the test in 120 s")
         time.sleep(0.05)
     obs: dict[str, Any] = {"rank": rank, "t_go": time.time()}
-    obs["rpc_sync"] = _timed(lambda: group.rpc_sync(peer, whoami, args=("fault",), timeout=CALL))
-    obs["all_reduce"] = _timed(lambda: everyone.all_reduce(torch.ones(1)))
+    (out / f"calling{rank}").write_text("1")
+    obs["rpc_sync"] = _timed(lambda: group.rpc_sync(peer, whoami, args=("fault",), timeout=call))
+    total = torch.ones(1)
+    obs["all_reduce"] = _timed(lambda: everyone.all_reduce(total))
+    obs["all_reduce_value"] = total.item()
     _write(out, rank, obs)
     if os.environ.get("PC_MH_DUMP"):
         import faulthandler
@@ -137,7 +148,10 @@ def fault(out: Path) -> None:
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    {"basic": basic, "fault": fault}[scenario](out)
+    if scenario == "heal":
+        fault(out, HEAL_CALL)
+    else:
+        {"basic": basic, "fault": fault}[scenario](out)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def test_call_bounded_returns_value_and_reraises() -> None:
 def test_call_bounded_gives_up_on_a_blocked_call() -> None:
     release = threading.Event()
     try:
-        with pytest.raises(TimeoutError, match="blocked thing: no answer within 0.2 s"):
+        with pytest.raises(TimeoutError, match=r"blocked thing: no answer within 0\.2 s"):
             call_bounded(release.wait, 0.2, "blocked thing")
     finally:
         release.set()

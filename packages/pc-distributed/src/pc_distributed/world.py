@@ -133,7 +133,9 @@ class World:
                 # torch's client waits for the server's handshake with no deadline: a rendezvous address that
                 # accepts connections and never answers (a frozen rank 0) would block here forever.
                 raw = call_bounded(
-                    lambda: _torch_dist.open_store(spec.dist_url, self.rank, self.world_size, self.dist_timeout),
+                    lambda: _torch_dist.open_store(
+                        spec.dist_url, self.rank, self.world_size, self.dist_timeout
+                    ),
                     self.dist_timeout,
                     f"World {self.name!r}: the rendezvous store at {spec.dist_url}",
                 )
@@ -286,13 +288,14 @@ class World:
     def stop(self, timeout: float | None = None, graceful: bool = True) -> None:
         """Leave the world: destroy RPC groups, shut RPC down, destroy process groups, clear the singleton.
 
-        Idempotent and bounded: the store part (the RPC groups' directory entries and the barrier that meets
-        the other ranks) gets ``timeout`` plus ``STOP_STORE_MARGIN`` seconds, after which a store that does not
-        answer (its host partitioned away, frozen or dead) is left behind with a ``RuntimeWarning``; RPC's
-        shutdown always has a timeout (a dead peer must not hang it); a failed graceful shutdown warns and
-        falls back to a non-graceful one. See docs/reliability.md for the measured bounds across hosts. Afterwards a new World may be created.
-        While it waits for the other ranks, this process's other threads can still look up and call services
-        (through group handles) and answer RPCs: the wait has a store connection of its own.
+        Idempotent and bounded: the store part (the RPC groups' directory entries and the barrier that
+        meets the other ranks) gets ``timeout`` plus ``STOP_STORE_MARGIN`` seconds, after which a store that
+        does not answer (its host partitioned away, frozen or dead) is left behind with a ``RuntimeWarning``;
+        RPC's shutdown always has a timeout (a dead peer must not hang it); a failed graceful shutdown warns
+        and falls back to a non-graceful one. docs/reliability.md has the measured bounds across hosts.
+        Afterwards a new World may be created. While it waits for the other ranks, this process's other
+        threads can still look up and call services (through group handles) and answer RPCs: the wait has a
+        store connection of its own.
 
         Args:
             timeout: Seconds for the RPC shutdown (default ``rpc_timeout``).
