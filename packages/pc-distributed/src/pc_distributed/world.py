@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pc_distributed import _torch_dist
-from pc_distributed._bounded import call_bounded
+from pc_distributed._bounded import BoundedStore, call_bounded
 from pc_distributed._env import WorldSpec, check_name, resolve_world_spec
 from pc_distributed._store import store_barrier, wait_keys
 from pc_distributed._store_waits import WaitStores
@@ -145,7 +145,10 @@ class World:
             # Worlds in the same order), so a store that outlives a World never shows it stale keys.
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             prefix = f"{_PREFIX}/{restart}/{_next_epoch()}"
-            self.store = _torch_dist.prefix_store(prefix, raw)
+            # Every short request of the World's shared client is bounded by dist_timeout (torch's are not).
+            self.store = BoundedStore(
+                _torch_dist.prefix_store(prefix, raw), self.dist_timeout, f"the store of World {self.name!r}"
+            )
             self.waits = WaitStores(raw, prefix, self.dist_timeout)
             rpc_url = spec.rpc_url
             port = _torch_dist.store_port(raw)
@@ -189,7 +192,9 @@ class World:
         waits = self.__dict__.pop("waits", None)
         if waits is not None:
             waits.close()
-        self.__dict__.pop("store", None)
+        store = self.__dict__.pop("store", None)
+        if store is not None:
+            store.close()
         self.__dict__.pop("_raw_store", None)
 
     # -- accessors ---
