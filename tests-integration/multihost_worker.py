@@ -9,7 +9,8 @@ Scenarios:
     basic: World, a world-wide and a cross-host collective group, an RPC group (rpc_sync, pair, register,
         barrier), then stop.
     fault: warm up, wait for ``go``, then rpc_sync(timeout=CALL) to the same local rank on the next host and
-        an all_reduce (group timeout CALL); record what each raised and how long it took, then World.stop().
+        an all_reduce (group timeout CALL), a ``pair`` and a ``barrier(timeout=CALL)``; record what each
+        raised and how long it took, then World.stop().
     heal: the same with HEAL_CALL; each rank writes ``calling<r>`` before its calls (the test heals the
         partition once all have), and the calls are expected to complete.
 """
@@ -134,6 +135,9 @@ def fault(out: Path, call: float = CALL) -> None:
     total = torch.ones(1)
     obs["all_reduce"] = _timed(lambda: everyone.all_reduce(total))
     obs["all_reduce_value"] = total.item()
+    # Store requests: a claim (a short request, bounded by DIST_TIMEOUT), a barrier (a wait, bounded by call).
+    obs["pair"] = _timed(lambda: group.pair(f"after{rank}", rank))
+    obs["barrier"] = _timed(lambda: group.barrier(timeout=call))
     _write(out, rank, obs)
     if os.environ.get("PC_MH_DUMP"):
         import faulthandler

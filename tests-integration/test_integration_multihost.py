@@ -19,6 +19,7 @@ import multihost_worker as worker
 import pytest
 from multihost import SimHosts, TorchrunJob, unavailable_reason, wait_for
 
+from pc_distributed._bounded import WAIT_GRACE
 from pc_distributed.world import STOP_STORE_MARGIN
 
 _REASON = unavailable_reason()
@@ -36,6 +37,10 @@ START = 150.0  # seconds for 2 torchruns x 2 workers to import torch and meet on
 MARGIN = 25.0  # added to every documented bound (noisy shared machines)
 CALL_BOUND = worker.CALL + MARGIN
 STOP_BOUND = worker.STOP + STOP_STORE_MARGIN + MARGIN
+PAIR_BOUND = worker.DIST_TIMEOUT + MARGIN  # a short store request
+# A barrier's arrival is short requests (dist_timeout), then its wait (its timeout + WAIT_GRACE).
+BARRIER_BOUND = worker.DIST_TIMEOUT + worker.CALL + WAIT_GRACE + MARGIN
+RESULTS = 2 * CALL_BOUND + PAIR_BOUND + BARRIER_BOUND + STOP_BOUND  # the whole faulted sequence
 
 
 @pytest.fixture
@@ -99,7 +104,7 @@ def _report(row: str, obs: dict[int, Any]) -> None:
     for rank, o in sorted(obs.items()):
         times = {
             k: f"{o[k]['s']:.2f}s {'ok' if o[k]['ok'] else o[k]['error']}"
-            for k in ("rpc_sync", "all_reduce", "stop")
+            for k in ("rpc_sync", "all_reduce", "pair", "barrier", "stop")
         }
         print(f"[multihost] {row} rank {rank}: {times}")
 
@@ -114,6 +119,9 @@ def _check_raised_and_stopped(row: str, obs: dict[int, Any], job: TorchrunJob) -
         assert not o["all_reduce"]["ok"], why
         assert o["all_reduce"]["error"] in ("RuntimeError", "TimeoutError"), why
         assert o["all_reduce"]["s"] < CALL_BOUND, why
+        assert o["pair"]["s"] < PAIR_BOUND, why  # succeeds where the store answers, else raises
+        assert not o["barrier"]["ok"], why  # the other host's members never arrive
+        assert o["barrier"]["s"] < BARRIER_BOUND, why
         assert o["stop"]["ok"], why
         assert o["stop"]["s"] < STOP_BOUND, why
 
@@ -122,8 +130,11 @@ def test_partition_every_rank_raises_and_stops_on_both_sides(hosts: SimHosts, tm
     job = _fault_job(hosts, tmp_path)
     hosts.cut(1)
     (tmp_path / "go").write_text("1")
-    limit = 2 * CALL_BOUND + STOP_BOUND
-    _check_raised_and_stopped("partition", _results(tmp_path, list(range(SIZE)), "stop", job, limit), job)
+    limit = RESULTS
+    obs = _results(tmp_path, list(range(SIZE)), "stop", job, limit)
+    _check_raised_and_stopped("partition", obs, job)
+    for rank in range(SIZE):
+        assert obs[rank]["pair"]["ok"] == (rank < PER_HOST), obs[rank]  # only the store's host reaches it
 
 
 @pytest.mark.parametrize("lost", [1, 0], ids=["worker-host", "store-host"])
@@ -132,7 +143,7 @@ def test_lost_host_survivors_raise_and_stop(hosts: SimHosts, tmp_path: Path, los
     hosts.kill_host(lost)
     (tmp_path / "go").write_text("1")
     survivors = [r for r in range(SIZE) if r // PER_HOST != lost]
-    limit = 2 * CALL_BOUND + STOP_BOUND
+    limit = RESULTS
     _check_raised_and_stopped(f"lost host {lost}", _results(tmp_path, survivors, "stop", job, limit), job)
 
 
@@ -141,11 +152,12 @@ def test_frozen_store_host_times_out_without_hanging(hosts: SimHosts, tmp_path: 
     hosts.freeze(0)  # the store's host: its sockets stay open, nothing answers
     (tmp_path / "go").write_text("1")
     survivors = [r for r in range(SIZE) if r // PER_HOST != 0]
-    limit = 2 * CALL_BOUND + STOP_BOUND
+    limit = RESULTS
     obs = _results(tmp_path, survivors, "stop", job, limit)
     _check_raised_and_stopped("frozen store host", obs, job)
     for o in obs.values():
         assert o["rpc_sync"]["error"] == "TimeoutError", o  # a frozen peer is silent, not refused
+        assert o["pair"]["error"] == "TimeoutError", o  # the store never answers: bounded, not a hang
 
 
 def test_partition_healed_before_the_timeout_lets_the_job_continue(hosts: SimHosts, tmp_path: Path) -> None:
@@ -166,4 +178,6 @@ def test_partition_healed_before_the_timeout_lets_the_job_continue(hosts: SimHos
         }, o
         assert o["all_reduce"]["ok"], o
         assert o["all_reduce_value"] == SIZE, o
+        assert o["pair"]["ok"], o
+        assert o["barrier"]["ok"], o
         assert o["stop"]["ok"], o
