@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from pc_distributed import _torch_dist
+from pc_distributed._bounded import WAIT_GRACE, call_bounded
 
 __all__ = ["StoreClosedError", "WaitStores"]
 
@@ -57,12 +58,19 @@ class WaitStores:
             StoreClosedError: If :meth:`close` was called.
             RuntimeError: The store's error (``DistStoreError`` is one) when ``timeout`` passes or the
                 connection fails; callers turn it into a ``TimeoutError`` naming what was missing.
+            TimeoutError: If the server did not even answer within ``timeout`` plus ``WAIT_GRACE``.
         """
         client = self._borrow()
         if client is None:
             self._shared.wait(list(keys), timedelta(seconds=timeout))
             return
-        client.wait(list(keys), timedelta(seconds=timeout))
+        # After its timeout torch's client asks the server to cancel the wait and blocks for the answer with
+        # no deadline: against a silent server (frozen, partitioned away) the wait itself must be bounded.
+        call_bounded(
+            lambda: client.wait(list(keys), timedelta(seconds=timeout)),
+            timeout + WAIT_GRACE,
+            f"store wait for {list(keys)[:3]}",
+        )
         # Only a client whose wait completed goes back: after a timeout or a connection error the server may
         # still hold the cancelled wait, so that connection is dropped (closed when collected).
         self._give_back(client)

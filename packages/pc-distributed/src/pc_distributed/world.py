@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pc_distributed import _torch_dist
+from pc_distributed._bounded import BoundedStore, call_bounded
 from pc_distributed._env import WorldSpec, check_name, resolve_world_spec
 from pc_distributed._store import store_barrier, wait_keys
 from pc_distributed._store_waits import WaitStores
@@ -34,6 +35,8 @@ _WORLD: World | None = None
 _WORLD_LOCK = threading.Lock()
 _PREFIX = "pc_distributed"
 _EPOCH = 0
+# Seconds World.stop gives its store requests beyond its own barrier timeout before it leaves without them.
+STOP_STORE_MARGIN = 2.0
 
 
 def _next_epoch() -> int:
@@ -127,14 +130,25 @@ class World:
                 host = "127.0.0.1" if spec.host in (None, "localhost") else str(spec.host)
                 raw = _torch_dist.master_store(host, spec.port or 0, self.world_size, self.dist_timeout)
             else:
-                raw = _torch_dist.open_store(spec.dist_url, self.rank, self.world_size, self.dist_timeout)
+                # torch's client waits for the server's handshake with no deadline: a rendezvous address that
+                # accepts connections and never answers (a frozen rank 0) would block here forever.
+                raw = call_bounded(
+                    lambda: _torch_dist.open_store(
+                        spec.dist_url, self.rank, self.world_size, self.dist_timeout
+                    ),
+                    self.dist_timeout,
+                    f"World {self.name!r}: the rendezvous store at {spec.dist_url}",
+                )
             self._raw_store = raw
             undo.append(self._drop_store)
             # Keys are scoped per torchrun restart and per World of this process (every rank creates its
             # Worlds in the same order), so a store that outlives a World never shows it stale keys.
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             prefix = f"{_PREFIX}/{restart}/{_next_epoch()}"
-            self.store = _torch_dist.prefix_store(prefix, raw)
+            # Every short request of the World's shared client is bounded by dist_timeout (torch's are not).
+            self.store = BoundedStore(
+                _torch_dist.prefix_store(prefix, raw), self.dist_timeout, f"the store of World {self.name!r}"
+            )
             self.waits = WaitStores(raw, prefix, self.dist_timeout)
             rpc_url = spec.rpc_url
             port = _torch_dist.store_port(raw)
@@ -178,7 +192,9 @@ class World:
         waits = self.__dict__.pop("waits", None)
         if waits is not None:
             waits.close()
-        self.__dict__.pop("store", None)
+        store = self.__dict__.pop("store", None)
+        if store is not None:
+            store.close()
         self.__dict__.pop("_raw_store", None)
 
     # -- accessors ---
@@ -277,10 +293,14 @@ class World:
     def stop(self, timeout: float | None = None, graceful: bool = True) -> None:
         """Leave the world: destroy RPC groups, shut RPC down, destroy process groups, clear the singleton.
 
-        Idempotent and bounded: RPC's shutdown always has a timeout (a dead peer must not hang it); a failed
-        graceful shutdown warns and falls back to a non-graceful one. Afterwards a new World may be created.
-        While it waits for the other ranks, this process's other threads can still look up and call services
-        (through group handles) and answer RPCs: the wait has a store connection of its own.
+        Idempotent and bounded: the store part (the RPC groups' directory entries and the barrier that
+        meets the other ranks) gets ``timeout`` plus ``STOP_STORE_MARGIN`` seconds, after which a store that
+        does not answer (its host partitioned away, frozen or dead) is left behind with a ``RuntimeWarning``;
+        RPC's shutdown always has a timeout (a dead peer must not hang it); a failed graceful shutdown warns
+        and falls back to a non-graceful one. docs/reliability.md has the measured bounds across hosts.
+        Afterwards a new World may be created. While it waits for the other ranks, this process's other
+        threads can still look up and call services (through group handles) and answer RPCs: the wait has a
+        store connection of its own.
 
         Args:
             timeout: Seconds for the RPC shutdown (default ``rpc_timeout``).
@@ -293,13 +313,21 @@ class World:
                 return
             self._stopped = True
         try:
-            for group in list(self.groups.values()):
-                try:
-                    group.destroy()
-                except Exception as exc:
-                    logger.debug("destroying RPC group %r failed: %r", group.get_group_name(), exc)
+            # torch's store requests other than wait have no deadline of their own: when the store's host is
+            # partitioned away or frozen they would block until TCP gives up (~15 min), so the store part of
+            # stop runs bounded, and a store that does not answer is left behind (RPC then stops at once).
+            try:
+                graceful = call_bounded(
+                    lambda: self._leave_store(timeout, graceful),
+                    timeout + STOP_STORE_MARGIN,
+                    f"World.stop of {self.name!r}: the store",
+                )
+            except TimeoutError as exc:
+                warnings.warn(
+                    f"{exc}; leaving without it (RPC shuts down non-gracefully)", RuntimeWarning, stacklevel=2
+                )
+                graceful = False
             if self.init_rpc:
-                graceful = self._stop_barrier(timeout, wait=graceful)
                 _torch_dist.shutdown_rpc(graceful, timeout)
             if self.init_dist:
                 for cg in self.collective_groups:
@@ -310,6 +338,17 @@ class World:
             with _WORLD_LOCK:
                 if _WORLD is self:
                     _WORLD = None
+
+    def _leave_store(self, timeout: float, graceful: bool) -> bool:
+        """The store part of :meth:`stop`: drop the RPC groups' entries, meet the others; may RPC wait?"""
+        for group in list(self.groups.values()):
+            try:
+                group.destroy()
+            except Exception as exc:
+                logger.debug("destroying RPC group %r failed: %r", group.get_group_name(), exc)
+        if not self.init_rpc:
+            return graceful
+        return self._stop_barrier(timeout, wait=graceful)
 
     def _stop_barrier(self, timeout: float, wait: bool) -> bool:
         """Meet every rank in ``stop`` through the store (bounded); return whether RPC may stop gracefully.
@@ -330,7 +369,7 @@ class World:
         except (TimeoutError, RuntimeError, OSError) as exc:
             if wait:
                 warnings.warn(
-                    f"World.stop: {exc}; shutting RPC down non-gracefully", RuntimeWarning, stacklevel=3
+                    f"World.stop: {exc}; shutting RPC down non-gracefully", RuntimeWarning, stacklevel=2
                 )
             return False
 

@@ -1,0 +1,144 @@
+"""Run a call that torch may block in forever on a helper thread, and give up on it after a deadline.
+
+torch's ``TCPStore`` bounds ``wait`` by its timeout, but not the other requests: ``add``, ``check``,
+``compare_set`` and ``get`` wait for the server's reply with no deadline, and the client's constructor
+waits for the server's handshake with none either. When the store's host is partitioned away or frozen
+(the TCP connection stays open, nothing answers) those calls block until TCP gives up on the connection,
+which takes about 15 minutes with Linux's defaults (``net.ipv4.tcp_retries2``) and forever on a listening
+socket that accepts and never answers. Even ``wait`` is unbounded against a server that stopped answering:
+after its timeout the client asks the server to cancel the wait and blocks for the acknowledgement.
+
+:func:`call_bounded` runs such a call on a daemon thread and raises ``TimeoutError`` when the deadline passes;
+the abandoned thread stays blocked until the connection fails (or the process exits). :class:`BoundedStore`
+does the same for every request of a store client, on one worker thread in order (the client runs one request
+at a time anyway), so that a request stuck on a silent server makes the later ones time out rather than pile
+up threads, and a request whose caller already gave up is never sent.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+__all__ = ["WAIT_GRACE", "BoundedStore", "call_bounded"]
+
+# Seconds a store wait may overrun its own timeout (the server's answer to it) before it counts as unanswered.
+WAIT_GRACE = 2.0
+
+T = TypeVar("T")
+
+
+def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
+    """Return ``fn()``, or raise ``TimeoutError`` naming ``what`` if it has not returned within ``timeout``.
+
+    ``fn``'s own exception is re-raised in the caller. On a timeout ``fn`` keeps running on its daemon thread
+    (Python cannot interrupt a thread blocked in C++); its result, if it ever comes, is dropped.
+
+    Raises:
+        TimeoutError: If ``fn`` did not finish within ``timeout`` seconds.
+    """
+    done = threading.Event()
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"pc-distributed-bounded: {what}", daemon=True).start()
+    if not done.wait(timeout):
+        raise TimeoutError(f"{what}: no answer within {timeout:g} s")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
+class BoundedStore:
+    """A store client whose every request raises ``TimeoutError`` instead of blocking past a deadline.
+
+    Requests run in order on one daemon worker thread. ``set``, ``get``, ``add``, ``check``,
+    ``compare_set`` and ``delete_key`` get ``timeout`` seconds; ``wait`` gets its own timeout plus
+    :data:`WAIT_GRACE`. A request that times out keeps the worker until the server answers or the connection
+    fails; the requests queued behind it time out in turn, and those whose callers gave up are dropped unsent.
+
+    Args:
+        store: The client (a torch ``Store``; a ``PrefixStore`` view is fine).
+        timeout: Seconds of each short request (the World's ``dist_timeout``).
+        label: Names the store in error messages.
+    """
+
+    def __init__(self, store: Any, timeout: float, label: str) -> None:
+        self._store = store
+        self._timeout = timeout
+        self._label = label
+        # Not a ThreadPoolExecutor: its workers are joined at interpreter exit, and a stuck one would hang it.
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], str, tuple[Any, ...]] | None]
+        self._queue = queue.SimpleQueue()
+        self._closed = False
+        threading.Thread(target=self._serve, name=f"pc-distributed-store: {label}", daemon=True).start()
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, op, args = item
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller gave up before it was sent
+            try:
+                future.set_result(getattr(self._store, op)(*args))
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+
+    def _call(self, op: str, timeout: float, *args: Any) -> Any:
+        if self._closed:
+            raise RuntimeError(f"{self._label} has been closed (World.stop)")
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._queue.put((future, op, args))
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # never sent if it had not started
+            raise TimeoutError(
+                f"{self._label}: no answer to {op} within {timeout:g} s (the store's host is unreachable, "
+                "frozen or partitioned away)"
+            ) from None
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Torch's ``set``, bounded."""
+        self._call("set", self._timeout, key, value)
+
+    def get(self, key: str) -> bytes:
+        """Torch's ``get``, bounded."""
+        return bytes(self._call("get", self._timeout, key))
+
+    def add(self, key: str, amount: int) -> int:
+        """Torch's ``add``, bounded."""
+        return int(self._call("add", self._timeout, key, amount))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Torch's ``check``, bounded."""
+        return bool(self._call("check", self._timeout, list(keys)))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """Torch's ``compare_set``, bounded."""
+        return bytes(self._call("compare_set", self._timeout, key, expected, desired))
+
+    def delete_key(self, key: str) -> bool:
+        """Torch's ``delete_key``, bounded."""
+        return bool(self._call("delete_key", self._timeout, key))
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        """Torch's ``wait``; the deadline is ``timeout`` (default: the store's) plus :data:`WAIT_GRACE`."""
+        seconds = self._timeout if timeout is None else timeout.total_seconds()
+        args: tuple[Any, ...] = (list(keys),) if timeout is None else (list(keys), timeout)
+        self._call("wait", seconds + WAIT_GRACE, *args)
+
+    def close(self) -> None:
+        """Stop taking requests; a request in progress is left to finish on its own (never blocks)."""
+        self._closed = True
+        self._queue.put(None)

@@ -1,0 +1,257 @@
+"""A multi-host harness for tests: N simulated hosts as Linux network namespaces, each running torchrun.
+
+Topology (nothing is added to the caller's own network namespace)::
+
+    <tag>-sw   a "switch" namespace holding the bridge ``br0``; one port ``p<i>`` per host
+    <tag>-h<i> host ``i``: ``lo`` and ``eth0`` (10.231.0.<i+1>/24), the other end of ``p<i>``
+
+Every name carries a per-run tag (pid + random), so parallel runs never collide, and the addresses exist
+only inside the namespaces made here. :class:`SimHosts` is a context manager whose exit (also on an exception
+or Ctrl-C) kills every process in its host namespaces (they are all ours: nothing else runs there) and
+deletes the namespaces, which removes their links and addresses with them.
+
+Fault helpers: :meth:`SimHosts.cut` / :meth:`SimHosts.heal` take a host's switch port down / up (its cable
+pulled: the host's ``eth0`` loses carrier, its packets go nowhere and nobody's reach it);
+:meth:`SimHosts.kill_host` SIGKILLs every process of a host; :meth:`SimHosts.freeze` /
+:meth:`SimHosts.thaw` SIGSTOP / SIGCONT them.
+
+Needs root and ``ip netns``; :func:`unavailable_reason` says why not, for a skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+__all__ = ["SUBNET", "SimHosts", "TorchrunJob", "unavailable_reason", "wait_for"]
+
+SUBNET = "10.231.0"
+IFNAME = "eth0"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+
+
+def unavailable_reason() -> str | None:
+    """Why namespaces cannot be made here (None: they can). Tries one and deletes it."""
+    if sys.platform != "linux":
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "simulated hosts need root (ip netns add); CI runs these tests as root"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    probe = f"pcmh-probe-{os.getpid()}-{secrets.token_hex(2)}"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    _ip("netns", "delete", probe, check=False)
+    return None
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, period: float = 0.05) -> None:
+    """Poll ``predicate`` until true; raise ``TimeoutError`` naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(period)
+
+
+def free_port() -> int:
+    """A port number (the namespaces are fresh: every port is free in them; this one is random, not fixed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SimHosts:
+    """``n`` simulated hosts on one bridge (a context manager; see the module docstring).
+
+    Args:
+        n: Number of hosts.
+    """
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self.n = n
+        self.tag = f"pcmh{os.getpid()}{secrets.token_hex(2)}"
+        self.switch = f"{self.tag}-sw"
+        self.hosts = [f"{self.tag}-h{i}" for i in range(n)]
+        self._made: list[str] = []
+
+    # -- set-up / teardown ---
+    def __enter__(self) -> SimHosts:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        for ns in (self.switch, *self.hosts):
+            _ip("netns", "add", ns)
+            self._made.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.hosts):
+            port = f"p{i}"
+            _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns)
+            _ip("-n", self.switch, "link", "set", port, "master", "br0")
+            _ip("-n", self.switch, "link", "set", port, "up")
+            _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", IFNAME)
+            _ip("-n", ns, "link", "set", IFNAME, "up")
+
+    def close(self) -> None:
+        """Kill every process of every host, then delete the namespaces (idempotent, never raises)."""
+        for i in range(len(self._made) - 1):
+            with contextlib.suppress(Exception):  # teardown goes on
+                self.kill_host(i)
+        for ns in reversed(self._made):
+            _ip("netns", "delete", ns, check=False)
+        self._made.clear()
+
+    # -- addresses and processes ---
+    def addr(self, i: int) -> str:
+        """Host ``i``'s address (exists only inside the namespaces)."""
+        return f"{SUBNET}.{i + 1}"
+
+    def pids(self, i: int) -> list[int]:
+        """Every process running in host ``i``'s namespace."""
+        out = _ip("netns", "pids", self.hosts[i], check=False).stdout
+        return [int(p) for p in out.split()]
+
+    def popen(
+        self, i: int, argv: Sequence[str], env: dict[str, str], stdout: IO[bytes] | int | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` in host ``i``'s namespace, in a session of its own."""
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.hosts[i], *argv],
+            env=env,
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    # -- faults ---
+    def cut(self, i: int) -> None:
+        """Pull host ``i``'s cable: its switch port goes down (both directions silent)."""
+        _ip("-n", self.switch, "link", "set", f"p{i}", "down")
+
+    def heal(self, i: int) -> None:
+        """Plug host ``i``'s cable back in."""
+        _ip("-n", self.switch, "link", "set", f"p{i}", "up")
+
+    def _signal(self, i: int, sig: signal.Signals) -> list[int]:
+        pids = self.pids(i)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return pids
+
+    def kill_host(self, i: int) -> None:
+        """SIGKILL every process of host ``i`` (a frozen one included) and wait until none is left."""
+        self._signal(i, signal.SIGKILL)
+        self._signal(i, signal.SIGCONT)
+        wait_for(lambda: not self.pids(i), 30, f"the processes of host {i} to die")
+
+    def freeze(self, i: int) -> list[int]:
+        """SIGSTOP every process of host ``i``; return their pids."""
+        return self._signal(i, signal.SIGSTOP)
+
+    def thaw(self, i: int) -> None:
+        """SIGCONT every process of host ``i``."""
+        self._signal(i, signal.SIGCONT)
+
+
+class TorchrunJob:
+    """One torchrun per host (static rendezvous at host 0), ``nproc_per_node`` workers each.
+
+    Args:
+        hosts: The simulated hosts.
+        script: The worker script and its arguments.
+        log_dir: Where each host's torchrun output goes (``torchrun-<i>.log``).
+        nproc_per_node: Workers per host.
+        extra_env: Added to the workers' environment.
+    """
+
+    def __init__(
+        self,
+        hosts: SimHosts,
+        script: Sequence[str],
+        log_dir: Path,
+        nproc_per_node: int = 2,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.hosts = hosts
+        self.port = free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs = [log_dir / f"torchrun-{i}.log" for i in range(hosts.n)]
+        env = dict(os.environ)
+        env.update(
+            {
+                "GLOO_SOCKET_IFNAME": IFNAME,
+                "TP_SOCKET_IFNAME": IFNAME,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+                **(extra_env or {}),
+            }
+        )
+        for i in range(hosts.n):
+            argv = [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args(i, nproc_per_node)]
+            with open(self.logs[i], "wb") as log:
+                self.procs.append(hosts.popen(i, [*argv, *script], env, stdout=log))
+
+    def torchrun_args(self, i: int, nproc_per_node: int) -> list[str]:
+        """The torchrun options of host ``i`` (the ones docs/multihost.md shows)."""
+        return [
+            f"--nnodes={self.hosts.n}",
+            f"--nproc_per_node={nproc_per_node}",
+            f"--node_rank={i}",
+            f"--master_addr={self.hosts.addr(0)}",
+            f"--master_port={self.port}",
+            "--max_restarts=0",
+        ]
+
+    def wait(self, timeout: float) -> list[int]:
+        """Wait for every torchrun to exit; return their exit codes (TimeoutError naming the logs if not)."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc, log in zip(self.procs, self.logs, strict=True):
+            try:
+                codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(
+                    f"torchrun did not exit in {timeout:g} s; log:\n{self.tail(log)}"
+                ) from None
+        return codes
+
+    def tail(self, log: Path, chars: int = 4000) -> str:
+        """The end of a host's log."""
+        try:
+            return log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "<no log>"
+
+    def all_logs(self) -> str:
+        """Every host's log tail, for assertion messages."""
+        return "\n".join(f"--- host {i} ---\n{self.tail(log)}" for i, log in enumerate(self.logs))

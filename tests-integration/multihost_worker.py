@@ -1,0 +1,162 @@
+"""The worker that test_integration_multihost.py starts under torchrun on every simulated host.
+
+``python multihost_worker.py <scenario> <out_dir>``; each rank writes what it observed as JSON to
+``<out_dir>/rank<r>.json`` (and, for the fault scenarios, ``<out_dir>/ready<r>`` once warmed up; it then waits
+for the test to write ``<out_dir>/go`` after it injected the fault). Times are measured with a monotonic clock
+and reported, never checked here.
+
+Scenarios:
+    basic: World, a world-wide and a cross-host collective group, an RPC group (rpc_sync, pair, register,
+        barrier), then stop.
+    fault: warm up, wait for ``go``, then rpc_sync(timeout=CALL) to the same local rank on the next host and
+        an all_reduce (group timeout CALL), a ``pair`` and a ``barrier(timeout=CALL)``; record what each
+        raised and how long it took, then World.stop().
+    heal: the same with HEAL_CALL; each rank writes ``calling<r>`` before its calls (the test heals the
+        partition once all have), and the calls are expected to complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pc_distributed import World
+
+CALL = 5.0  # seconds of the faulted rpc_sync and all_reduce
+HEAL_CALL = 60.0  # the same, in the scenario whose partition heals before the timeout
+DIST_TIMEOUT = 20.0  # the World's store/rendezvous timeout
+STOP = 5.0  # World.stop(timeout=...)
+ENV_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "TORCHELASTIC_RESTART_COUNT",
+)
+
+
+def whoami(tag: str) -> str:
+    """Return where this ran: ``tag@host<GROUP_RANK>:rank<RANK>`` (called through RPC)."""
+    return f"{tag}@host{os.environ['GROUP_RANK']}:rank{os.environ['RANK']}"
+
+
+def _echo(x: Any) -> Any:
+    return x
+
+
+def _write(out: Path, rank: int, obs: dict[str, Any]) -> None:
+    tmp = out / f".rank{rank}.json"
+    tmp.write_text(json.dumps(obs))
+    tmp.replace(out / f"rank{rank}.json")
+
+
+def basic(out: Path) -> None:
+    """World, collectives and RPC across hosts."""
+    rank = int(os.environ["RANK"])
+    world = World(name=f"w{rank}", dist_timeout=60, rpc_timeout=60)
+    obs: dict[str, Any] = {"env": {k: os.environ.get(k) for k in ENV_KEYS}}
+    obs["rank"], obs["world_size"] = world.rank, world.world_size
+    obs["members"] = world.get_members()
+    obs["name_of"] = [world.name_of(r) for r in world.get_ranks()]
+    size = world.world_size
+    everyone = world.create_collective_group(list(range(size)), timeout=60)
+    t = torch.tensor([float(rank + 1)])
+    everyone.all_reduce(t)
+    obs["all_reduce"] = t.item()
+    # A sub-group of one rank per host: local rank 1 of host 0 and local rank 0 of host 1 (ranks 1 and 2).
+    cross = world.create_collective_group([1, 2], timeout=60)
+    if cross.is_member():
+        u = torch.tensor([float(10 * rank)])
+        cross.all_reduce(u)
+        obs["cross_all_reduce"] = u.item()
+    gathered = [torch.zeros(1) for _ in range(size)]
+    everyone.all_gather(gathered, torch.tensor([float(rank)]))
+    obs["all_gather"] = [g.item() for g in gathered]
+    group = world.create_rpc_group("g", world.get_members())
+    peer = f"w{(rank + 2) % size}"  # the same local rank on the other host
+    obs["rpc_sync"] = group.rpc_sync(peer, whoami, args=("hi",), timeout=30)
+    group.pair(f"value{rank}", {"from": rank})
+    group.register(f"svc{rank}", _echo)
+    group.barrier(timeout=60)
+    obs["get_paired"] = group.get_paired(f"value{(rank + 2) % size}").to_here()
+    obs["registered_sync"] = group.registered_sync(f"svc{(rank + 2) % size}", args=(rank,), timeout=30)
+    group.barrier(timeout=60)
+    start = time.monotonic()
+    world.stop(timeout=30)
+    obs["stop_s"] = time.monotonic() - start
+    _write(out, rank, obs)
+
+
+def _timed(fn: Any) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        result = fn()
+        return {"ok": True, "result": repr(result), "s": time.monotonic() - start}
+    except BaseException as exc:  # recorded for the test
+        return {
+            "ok": False,
+            "error": type(exc).__name__,
+            "message": str(exc)[:300],
+            "s": time.monotonic() - start,
+        }
+
+
+def fault(out: Path, call: float = CALL) -> None:
+    """Warm up, wait for the test's fault, then call across hosts and stop (every step timed)."""
+    rank = int(os.environ["RANK"])
+    size = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    world = World(name=f"w{rank}", dist_timeout=DIST_TIMEOUT, rpc_timeout=call)
+    everyone = world.create_collective_group(list(range(size)), timeout=call)
+    group = world.create_rpc_group("g", world.get_members())
+    peer = f"w{(rank + local) % size}"
+    warm = torch.ones(1)
+    everyone.all_reduce(warm)
+    group.rpc_sync(peer, whoami, args=("warm",), timeout=30)
+    group.barrier(timeout=60)
+    (out / f"ready{rank}").write_text("1")
+    deadline = time.monotonic() + 120
+    while not (out / "go").exists():  # the test writes go after injecting the fault
+        if time.monotonic() > deadline:
+            raise SystemExit("no go from the test in 120 s")
+        time.sleep(0.05)
+    obs: dict[str, Any] = {"rank": rank, "t_go": time.time()}
+    (out / f"calling{rank}").write_text("1")
+    obs["rpc_sync"] = _timed(lambda: group.rpc_sync(peer, whoami, args=("fault",), timeout=call))
+    total = torch.ones(1)
+    obs["all_reduce"] = _timed(lambda: everyone.all_reduce(total))
+    obs["all_reduce_value"] = total.item()
+    # Store requests: a claim (a short request, bounded by DIST_TIMEOUT), a barrier (a wait, bounded by call).
+    obs["pair"] = _timed(lambda: group.pair(f"after{rank}", rank))
+    obs["barrier"] = _timed(lambda: group.barrier(timeout=call))
+    _write(out, rank, obs)
+    if os.environ.get("PC_MH_DUMP"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["PC_MH_DUMP"]), repeat=True)
+    obs["stop"] = _timed(lambda: world.stop(timeout=STOP))
+    _write(out, rank, obs)
+    sys.stdout.flush()
+    os._exit(0)  # leave at once: torch's atexit handlers could wait on the lost peers
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    if scenario == "heal":
+        fault(out, HEAL_CALL)
+    else:
+        {"basic": basic, "fault": fault}[scenario](out)
+
+
+if __name__ == "__main__":
+    main()
