@@ -6,9 +6,11 @@ The index listens on 127.0.0.1 only, on a free port that the OS picks for a prob
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +32,11 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies (Linux prctl)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2.0):
@@ -44,7 +51,13 @@ def package_index(packages_dir: Path) -> Iterator[str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "pypiserver", "run", "-i", "127.0.0.1", "-p", str(port)]
     cmd += ["-a", ".", "-P", ".", "--disable-fallback", str(packages_dir)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,  # also when pytest-timeout ends the test process without cleanup
+    )
     base = f"http://127.0.0.1:{port}/"
     try:
         ready = _wait_until(lambda: proc.poll() is not None or _answers(base + "simple/"), START_TIMEOUT_S)
