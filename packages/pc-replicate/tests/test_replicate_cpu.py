@@ -209,7 +209,7 @@ def test_replica_error_aborts_peers_blocked_in_a_sync(no_thread_leak: None) -> N
     start = time.monotonic()
     with pytest.raises(ValueError, match="replica 1 broke") as info:
         RCDP(Syncing(), ["cpu"] * 3)(torch.randn(3, 2))
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < 30.0  # released by the abort, not the barrier's 60 s timeout
     assert any("replica 1" in note for note in getattr(info.value, "__notes__", ["replica 1"]))
 
 

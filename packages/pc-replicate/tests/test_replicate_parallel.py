@@ -109,11 +109,13 @@ def test_error_surfaces_at_get_with_its_type_and_put_then_raises(
     with Parallel(num_workers, Call(work), serial_init=False, ordered=True) as parallel:
         parallel.put(0)
         parallel.put(1)
-        assert parallel.get(timeout=5) == 0
+        assert parallel.get(timeout=60) == 0
         start = time.monotonic()
         with pytest.raises(KeyError, match="item 1 failed") as info:
-            parallel.get(timeout=5)
-        assert time.monotonic() - start < 1.0
+            parallel.get(timeout=60)
+        assert (
+            time.monotonic() - start < 30.0
+        )  # the error, not the 60 s timeout (bound generous: shared machine)
         with pytest.raises(RuntimeError, match="a previous item failed with KeyError") as chained:
             parallel.put(2)
         assert chained.value.__cause__ is info.value

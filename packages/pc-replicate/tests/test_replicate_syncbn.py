@@ -41,7 +41,7 @@ def test_replica_error_with_sync_bn_reaches_caller_fast(failing: int, no_thread_
     start = time.monotonic()
     with pytest.raises(ValueError, match="marked chunk") as info:
         ReplicationCallbackDataParallel(FailingSyncNet(), ["cpu"] * 3)(x)
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < 60.0  # the abort, not the 300 s sync timeout (generous: shared machine)
     assert any(
         f"replica {failing}" in note for note in getattr(info.value, "__notes__", [f"replica {failing}"])
     )
