@@ -133,6 +133,17 @@ class _LoadFailure:
         self.exc = exc
 
 
+def _wait_readable(conn: Any, parent_sentinel: Any | None) -> None:
+    """Block until ``conn`` has a message; exit at once if the parent dies (nobody would read us again)."""
+    waitables: list[Any] = [conn] if parent_sentinel is None else [conn, parent_sentinel]
+    while not conn.poll(0):
+        ready = wait(waitables, timeout=60.0)
+        if conn in ready:
+            break
+        if ready:  # the parent sentinel fired
+            os._exit(1)
+
+
 class TaskGetter:
     """``get()`` of the worker loop: the next task, or ``None`` when the parent asks the worker to exit.
 
@@ -164,15 +175,7 @@ class TaskGetter:
 
     def __call__(self) -> _Task | None:
         """Block until the next message; return the task, or ``None`` for the parent's exit request."""
-        waitables: list[Any] = [self._conn]
-        if self._parent_sentinel is not None:
-            waitables.append(self._parent_sentinel)
-        while not self._conn.poll(0):
-            ready = wait(waitables, timeout=60.0)
-            if self._conn in ready:
-                break
-            if ready:  # the parent sentinel fired: nobody will ever read our results
-                os._exit(1)
+        _wait_readable(self._conn, self._parent_sentinel)
         try:
             msg = recv_msg(self._conn)
         except EOFError:
@@ -221,15 +224,7 @@ class ResultPutter:
             self._await_ack()
 
     def _await_ack(self) -> None:
-        waitables: list[Any] = [self._conn]
-        if self._parent_sentinel is not None:
-            waitables.append(self._parent_sentinel)
-        while not self._conn.poll(0):
-            ready = wait(waitables, timeout=60.0)
-            if self._conn in ready:
-                break
-            if ready:  # the parent sentinel fired
-                os._exit(1)
+        _wait_readable(self._conn, self._parent_sentinel)
         try:
             self._conn.recv_bytes()
         except (EOFError, OSError):
