@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -335,6 +336,71 @@ def test_grad_checkpoint_while_running_is_one_steps_worth(impls: list[PushPullGr
     assert not errors
     assert impl.stats().version == pushes
     assert len(seen) > 1  # checkpoints really were taken between steps
+
+
+def _co_located(hub: Hub, impls: list[PushPullGradServerImpl], state: Any = None) -> Any:
+    """Primary '0', its own only secondary; B=2 at both levels, so pushes wait in both queues."""
+    from server_models import PlainSGD
+
+    impl = PushPullGradServerImpl(
+        "gs", hub.group("0"), secondary_reducers=["0"], reduce_batch_size=2, flush_timeout=None
+    )
+    impls.append(impl)
+    managed = ThreeLayer()
+    impl.manage_model(managed, PlainSGD(managed.parameters()))
+    if state is not None:
+        impl.load_state_dict(state)
+    impl.start()
+    return impl, managed
+
+
+def test_grad_checkpoint_while_running_keeps_the_queued_pushes(impls: list[PushPullGradServerImpl]) -> None:
+    """A checkpoint taken with pushes queued at both levels: restored, they are applied; the ledger balances."""
+    hub = Hub(["0", "1"])
+    impl, _managed = _co_located(hub, impls)
+    client = hub.group("1").get_paired("gs").to_here()
+    _push_ones(client, ThreeLayer(), 7)
+    # pushes 1-4 are one step (version 1); the bundle of 5-6 waits in the primary's queue for a second bundle,
+    # push 7 in the secondary's queue for a second push (no flush timeout): take checkpoints until it is so
+    deadline = time.monotonic() + WAIT
+    state = impl.state_dict()
+    while not (state["primary"]["pending"] and state["secondary"]["pending"]) and time.monotonic() < deadline:
+        impl.wait_for_version(1, WAIT)
+        state = impl.state_dict()
+    assert state["primary"]["version"] == 1
+    assert [sum(p[1] for p in bundle.values()) for bundle in state["primary"]["pending"]] == [2]
+    assert len(state["secondary"]["pending"]) == 1
+    assert state["ledger"]["total"]["accepted"] == 7
+    assert state["ledger"]["total"]["applied"] == 4
+    impl.stop(timeout=WAIT)  # the running server applies them too; the checkpoint is of the moment before
+
+    restored, managed = _co_located(Hub(["0", "1"]), impls, _through_disk(state))
+    assert managed.weights() == (-3.0, -2.0, -1.0)  # version 1: the sum of 4 pushes of ones, lr 1
+    restored.stop(timeout=WAIT)  # drains: the restored pushes are applied, none twice
+    ledger = restored.ledger()
+    assert ledger.balanced()
+    assert (ledger.total.accepted, ledger.total.applied) == (7, 7)
+    assert ledger.clients[client.client_id].applied == 7
+    assert managed.weights() == (-6.0, -5.0, -4.0)  # every push applied exactly once
+
+
+def test_grad_checkpoint_pending_entries_are_validated(impls: list[PushPullGradServerImpl]) -> None:
+    good = _co_located(Hub(["0", "1"]), impls)[0].state_dict()
+    hub = Hub(["0", "1"])
+    cases: list[tuple[str, Any, str]] = [
+        ("secondary", [[0, "not packed", "c"]], r"secondary pending\[0\] must be \[version, packed"),
+        ("primary", [{0: [None, 1, {"c": 1}]}], r"primary pending\[0\]\[0\] must be \[packed gradients"),
+    ]
+    for role, pending, match in cases:
+        impl = PushPullGradServerImpl("gs", hub.group("0"), secondary_reducers=["0"])
+        impls.append(impl)
+        model = ThreeLayer()
+        from server_models import PlainSGD
+
+        impl.manage_model(model, PlainSGD(model.parameters()))
+        with pytest.raises(ValueError, match=match):
+            impl.load_state_dict({**good, role: {**good[role], "pending": pending}})
+        hub = Hub(["0", "1"])
 
 
 def test_clients_of_a_dead_primary_get_an_error_naming_it_and_nothing_is_silent(

@@ -2,7 +2,9 @@
 
 One ``threading.Condition`` guards the items, so a ``put`` between the consumer's check and its wait cannot be
 lost (machin's ``Event.set(); clear()`` pulse could), and the consumer sleeps exactly until the oldest item is
-due instead of polling every 0.1 s.
+due instead of polling every 0.1 s. A batch handed to the consumer stays *held* by the queue until the
+consumer calls :meth:`BatchQueue.release`, so a checkpoint (:meth:`BatchQueue.pending`) sees every item the
+reducer has not finished with, and a failed reducer's :meth:`BatchQueue.drain` returns them too.
 """
 
 from __future__ import annotations
@@ -33,13 +35,20 @@ class BatchQueue(Generic[T]):
         max_size: Beyond this many items the oldest are dropped (counted in :attr:`dropped`, warned once).
         name: For log messages.
         on_drop: Called with each item dropped on overflow (under the queue's lock: keep it short).
+        lock: The lock of the queue's condition (default: a new one); the gradient server shares its ledger's
+            lock so that an item moves between queue and ledger in one step.
     """
 
     def __init__(
-        self, max_size: int, name: str = "queue", on_drop: Callable[[T], object] | None = None
+        self,
+        max_size: int,
+        name: str = "queue",
+        on_drop: Callable[[T], object] | None = None,
+        lock: threading.RLock | None = None,
     ) -> None:
         self._items: deque[tuple[float, T]] = deque()
-        self._cond = threading.Condition()
+        self._held: list[T] = []  # the batch the consumer took and has not released
+        self._cond = threading.Condition(lock)
         self._max_size = max_size
         self._name = name
         self._closed = False
@@ -107,7 +116,8 @@ class BatchQueue(Generic[T]):
             flush_timeout: Seconds after which a partial batch is flushed; ``None`` never flushes.
 
         Returns:
-            The batch, or ``None`` once the queue is closed and empty.
+            The batch, or ``None`` once the queue is closed and empty. The batch is held (in :meth:`pending`)
+            until :meth:`release`.
         """
         with self._cond:
             while True:
@@ -125,13 +135,25 @@ class BatchQueue(Generic[T]):
                     wait_s = min(wait_s, due_in)
                 self._cond.wait(wait_s)
 
-    def drain(self) -> list[T]:
-        """Remove and return every waiting item (oldest first), e.g. to account for them after a failure."""
+    def release(self) -> None:
+        """The consumer is done with the batch :meth:`get_batch` returned (it was booked elsewhere)."""
         with self._cond:
-            items = [item for _ts, item in self._items]
+            self._held = []
+
+    def pending(self) -> list[T]:
+        """The held batch and the waiting items, oldest first (a copy; for a checkpoint)."""
+        with self._cond:
+            return [*self._held, *(item for _ts, item in self._items)]
+
+    def drain(self) -> list[T]:
+        """Remove and return the held batch and every waiting item (oldest first), e.g. after a failure."""
+        with self._cond:
+            items = [*self._held, *(item for _ts, item in self._items)]
+            self._held = []
             self._items.clear()
             return items
 
     def _take(self, batch_size: int) -> list[T]:
         count = min(batch_size, len(self._items))
-        return [self._items.popleft()[1] for _ in range(count)]
+        self._held = [self._items.popleft()[1] for _ in range(count)]
+        return list(self._held)

@@ -4,9 +4,16 @@ Layout (``torch.save``-able)::
 
     {"format": "pc_server.PushPullGradServerImpl", "format_version": 1,
      "server_name": ..., "model_name": ..., "member": <the process that wrote it>,
-     "primary":   {"version", "steps", "model", "optimizer", "lr_scheduler"} or None,
-     "secondary": {"dedup": {client: [seq, accepted]}, "head"} or None,
+     "primary":   {"version", "steps", "model", "optimizer", "lr_scheduler",
+                   "pending": [{version: [packed sums, pushes, {client: pushes}]}, ...]} or None,
+     "secondary": {"dedup": {client: [seq, accepted]}, "head",
+                   "pending": [[version, packed gradients, client], ...]} or None,
      "ledger":    {"total": {...}, "clients": {client: {...}}}}
+
+``pending`` holds what the process had accepted and not yet passed on (queued, or taken into the batch being
+reduced): a checkpoint of a running server is taken under the step lock and the ledger's lock, so each push the
+ledger counts as accepted here is either booked (applied or dropped) or in ``pending``, and a restored server
+re-queues ``pending`` when it starts. Checkpoints written before ``pending`` existed load as if it were empty.
 """
 
 from __future__ import annotations
@@ -33,9 +40,10 @@ def grad_state(
 ) -> dict[str, Any]:
     """The checkpoint of one reducer process (see the module docstring).
 
-    On the primary the step lock is held throughout, so the ledger's applied counts match the model's step.
+    On the primary the step lock is held throughout, so the ledger's applied counts match the model's step; the
+    ledger's lock is held too, so no push moves between a queue and the ledger meanwhile.
     """
-    with primary.step_lock if primary is not None else contextlib.nullcontext():
+    with primary.step_lock if primary is not None else contextlib.nullcontext(), ledger.lock:
         return _state(config, primary, secondary, ledger)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -15,9 +17,17 @@ from torch import nn
 
 from pc_server._checkpoint import check_int
 from pc_server._copy import snapshot
-from pc_server._packing import unpack
-from pc_server._reduce import Partial, drop_stale, finalize, merge_partials
-from pc_server._reducer_base import Done, Forward, ReducerHealth, ReducerRole, forward_clients, per_client
+from pc_server._packing import Packed, unpack
+from pc_server._reduce import Partial, finalize, merge_partials
+from pc_server._reducer_base import (
+    Booking,
+    Done,
+    Forward,
+    ReducerHealth,
+    ReducerRole,
+    forward_clients,
+    per_client,
+)
 from pc_server._state import check_model, model_snapshot, set_pp_version
 from pc_server.grad_config import GradServerConfig
 from pc_server.ledger import LedgerBook
@@ -131,37 +141,41 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
                 timeout,
             )
 
-    def _loop(self) -> None:
-        cfg = self.config
-        while True:
-            batch = self.queue.get_batch(cfg.reduce_batch_size, cfg.flush_timeout)
-            if batch is None:
-                return
-            clients: dict[int, list[dict[str, int]]] = {}
-            parts = []
-            for fwd, _age in batch:
-                part = {}
-                for v, (packed, count, per) in fwd.partials.items():
-                    part[v] = Partial(unpack(packed, cfg.reduce_device), count)
-                    clients.setdefault(v, []).append(per)
-                parts.append(part)
-            self.inflight = per_client(c for cs in clients.values() for c in cs)
-            with self.step_lock:
-                kept, _dropped = drop_stale(merge_partials(parts, None), self.version, cfg.max_staleness)
-                self.ledger.record(
-                    "dropped_stale", per_client(c for v, cs in clients.items() if v not in kept for c in cs)
-                )
-                if kept:
-                    grads, _count = finalize(kept, cfg.reduce_method)
-                    self._step(grads)
-                    self.ledger.record("applied", per_client(c for v in kept for c in clients[v]))
-                    with self.health.cond:
-                        self.steps += 1
-                        self.health.cond.notify_all()
-            self.inflight = {}
+    def _reduce(
+        self, batch: list[tuple[Forward, float]]
+    ) -> tuple[dict[int, Partial], dict[int, Counter[str]]]:
+        device = self.config.reduce_device
+        clients: dict[int, Counter[str]] = {}
+        parts = []
+        for fwd, _age in batch:
+            part = {}
+            for v, (packed, count, per) in fwd.partials.items():
+                part[v] = Partial(unpack(packed, device), count)
+                clients.setdefault(v, Counter()).update(per)
+            parts.append(part)
+        return merge_partials(parts, None), clients
+
+    def _head(self) -> int:
+        return self.version
+
+    def _guard(self) -> AbstractContextManager[Any]:
+        return self.step_lock  # a checkpoint sees the model, version and ledger of one and the same step
+
+    def _deliver(
+        self, kept: dict[int, Partial], clients: dict[int, Counter[str]], batch: list[tuple[Forward, float]]
+    ) -> Booking:
+        grads, _count = finalize(kept, self.config.reduce_method)
+        self._step(grads)
+        with self.health.cond:
+            self.steps += 1
+            self.health.cond.notify_all()
+        return "applied", per_client(clients[v] for v in kept)
 
     def state(self) -> dict[str, Any]:
-        """Model, optimizer and lr scheduler state dicts, version and step count (copies, one step's worth).
+        """Model, optimizer and lr scheduler state dicts, version, step count and the bundles not applied yet.
+
+        The copies are of one step; call it under the ledger's lock (as ``grad_state`` does) so that the
+        ``pending`` bundles (queued, or taken for the next step) and the ledger agree.
 
         Raises:
             RuntimeError: No model is managed yet.
@@ -175,6 +189,10 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
                 "model": snapshot(self.model.state_dict()),
                 "optimizer": _state_of(self.optimizer),
                 "lr_scheduler": _state_of(self.lr_scheduler),
+                "pending": [
+                    {v: [packed, count, dict(per)] for v, (packed, count, per) in fwd.partials.items()}
+                    for fwd, _age in self.queue.pending()
+                ],
             }
 
     def load(self, state: object) -> None:
@@ -194,7 +212,10 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
         steps = check_int("primary steps", state["steps"])
         _load_into("optimizer", self.optimizer, state.get("optimizer"))
         _load_into("lr_scheduler", self.lr_scheduler, state.get("lr_scheduler"))
+        pending = [_bundle(i, entry) for i, entry in enumerate(state.get("pending", []))]
         _load_into("model", model, state["model"])
+        for forward in pending:  # applied once the server starts, as if they had just arrived
+            self.queue.put((forward, 0.0))
         prev = self.version
         with self.step_lock, self.health.cond:
             self.version, self.steps = version, steps
@@ -240,6 +261,31 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
         if self.o_server_impl is not None:  # hosted here: no RPC, and the snapshot is already private
             return self.o_server_impl.push_snapshot(self.config.model_name, snap, version, prev)
         return self.o_server.push(self.config.model_name, snap, version, prev)
+
+
+def _bundle(index: int, entry: object) -> Forward:
+    """A checkpointed pending bundle, validated; the message names ``pending[index]``."""
+    what = f"primary pending[{index}]"
+    if not isinstance(entry, dict):
+        raise ValueError(
+            f"{what} must map version -> [gradients, count, pushes per client], got {entry!r:.200}"
+        )
+    partials: dict[int, tuple[Packed, int, dict[str, int]]] = {}
+    for v, part in entry.items():
+        if not (isinstance(part, (list, tuple)) and len(part) == 3 and isinstance(part[0], Packed)):
+            raise ValueError(
+                f"{what}[{v!r}] must be [packed gradients, count, pushes per client], got {part!r:.200}"
+            )
+        per = part[2]
+        if not isinstance(per, dict):
+            raise ValueError(f"{what}[{v!r}] pushes per client must be a dict, got {per!r:.200}")
+        counts = {str(c): check_int(f"{what}[{v!r}] pushes of {c!r}", n, 1) for c, n in per.items()}
+        partials[check_int(f"{what} version", v)] = (
+            part[0],
+            check_int(f"{what}[{v!r}] count", part[1], 1),
+            counts,
+        )
+    return Forward(partials)
 
 
 def _state_of(obj: Any) -> Any:

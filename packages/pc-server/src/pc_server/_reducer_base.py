@@ -1,27 +1,40 @@
 """What the primary and secondary reducers share: the messages, the process's health, a queue-draining thread.
 
-Each reducer role owns one :class:`~pc_server._batch_queue.BatchQueue` and one thread. The first failure of
-either role is kept in the process's :class:`ReducerHealth` (re-raised by ``watch()``), closes both queues,
-and whatever the failed role held is booked as ``dropped_error`` in the ledger: nothing is
-lost without a count.
+Each reducer role owns one :class:`~pc_server._batch_queue.BatchQueue` and one thread running the batch loop
+of :class:`ReducerRole` (the roles differ only in how they reduce and where they deliver). The first failure
+of either role is kept in the process's :class:`ReducerHealth` (re-raised by ``watch()``), closes both queues,
+and whatever the failed role held is booked as ``dropped_error`` in the ledger: nothing is lost without a
+count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from pc_server._batch_queue import BatchQueue
 from pc_server._packing import Packed
+from pc_server._reduce import Partial, drop_stale
 from pc_server.errors import ReducerTraceback
 from pc_server.grad_config import GradServerConfig
 from pc_server.ledger import LedgerBook
 
-__all__ = ["Done", "Forward", "Queued", "ReducerHealth", "ReducerRole", "forward_clients", "per_client"]
+__all__ = [
+    "Booking",
+    "Done",
+    "Forward",
+    "Queued",
+    "ReducerHealth",
+    "ReducerRole",
+    "forward_clients",
+    "per_client",
+]
 
 logger = logging.getLogger("pc_server.grad_server")
 
@@ -47,6 +60,10 @@ class Done(NamedTuple):
     """A secondary's last message from ``stop()``: it forwarded everything it held."""
 
     member: str
+
+
+Booking = tuple[str, dict[str, int]]
+"""A ledger field and the pushes per client to add to it."""
 
 
 def per_client(counts: Iterable[dict[str, int]]) -> dict[str, int]:
@@ -94,7 +111,13 @@ class ReducerHealth:
 
 
 class ReducerRole(Generic[T]):
-    """One reducer role: a batch queue drained by one thread (subclasses implement :meth:`_loop`)."""
+    """One reducer role: a batch queue drained by one thread, which this class runs.
+
+    The loop takes a batch (held by the queue until released), reduces it into per-version groups
+    (:meth:`_reduce`, outside any lock), then, under :meth:`_guard`, drops the groups more than
+    ``max_staleness`` behind :meth:`_head` and hands the rest on (:meth:`_deliver`). The outcome is booked and
+    the batch released under the ledger's lock in one step, so a checkpoint sees each push once.
+    """
 
     role = "reducer"
 
@@ -105,18 +128,38 @@ class ReducerRole(Generic[T]):
         self.ledger = ledger
         self.health = health
         self.queue: BatchQueue[T] = BatchQueue(
-            config.max_queue_size, f"{config.server_name} {self.role} queue", on_drop=on_drop
+            config.max_queue_size,
+            f"{config.server_name} {self.role} queue",
+            on_drop=on_drop,
+            lock=ledger.lock,
         )
-        self.inflight: dict[str, int] = {}  # per-client pushes of the batch being reduced
         self._thread: threading.Thread | None = None
         health.on_failure(self.queue.close)
 
+    # ------------------------------------------------------------------ what a role defines
     def _clients_of(self, item: T) -> dict[str, int]:
+        """The client pushes inside one queued item."""
         raise NotImplementedError
 
-    def _loop(self) -> None:
+    def _reduce(self, batch: list[T]) -> tuple[dict[int, Partial], dict[int, Counter[str]]]:
+        """Sum a batch per model version; also return each version's pushes per client."""
         raise NotImplementedError
 
+    def _head(self) -> int:
+        """The newest model version known here (staleness is measured against it)."""
+        raise NotImplementedError
+
+    def _guard(self) -> AbstractContextManager[Any]:
+        """Held while a batch is judged, delivered and booked (default: nothing)."""
+        return contextlib.nullcontext()
+
+    def _deliver(
+        self, kept: dict[int, Partial], clients: dict[int, Counter[str]], batch: list[T]
+    ) -> Booking | None:
+        """Hand on the fresh groups of ``batch``; return what to book for them (``None``: nothing here)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the thread
     def start(self) -> None:
         """Start the thread (once)."""
         if self._thread is None:
@@ -150,6 +193,24 @@ class ReducerRole(Generic[T]):
                 f"did not stop within {timeout} s"
             )
 
+    def _loop(self) -> None:
+        cfg = self.config
+        while True:
+            batch = self.queue.get_batch(cfg.reduce_batch_size, cfg.flush_timeout)
+            if batch is None:
+                return
+            groups, clients = self._reduce(batch)
+            with self._guard():
+                kept, _dropped = drop_stale(groups, self._head(), cfg.max_staleness)
+                booking = self._deliver(kept, clients, batch) if kept else None
+                with self.ledger.lock:
+                    self.ledger.record(
+                        "dropped_stale", per_client(clients[v] for v in groups if v not in kept)
+                    )
+                    if booking is not None:
+                        self.ledger.record(*booking)
+                    self.queue.release()
+
     def _run_guarded(self) -> None:
         try:
             self._loop()
@@ -159,6 +220,5 @@ class ReducerRole(Generic[T]):
                 "gradient server %r: reducer on %r failed: %r", self.config.server_name, self.config.me, exc
             )
             # account for what this thread held or would have reduced: nothing is lost silently
-            lost = [self.inflight, *map(self._clients_of, self.queue.drain())]
-            self.inflight = {}
-            self.ledger.record("dropped_error", per_client(lost))
+            with self.ledger.lock:
+                self.ledger.record("dropped_error", per_client(map(self._clients_of, self.queue.drain())))

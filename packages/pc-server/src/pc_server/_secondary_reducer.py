@@ -7,24 +7,26 @@ addressed by the primary's member name (see ``pc_server._forward``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from pc_server._checkpoint import check_int
-from pc_server._packing import pack, unpack
-from pc_server._reduce import drop_stale, reduce_pushes
+from pc_server._packing import Packed, pack, unpack
+from pc_server._reduce import Partial, reduce_pushes
 from pc_server._reducer_base import (
+    Booking,
     Done,
     Forward,
     Queued,
     ReducerHealth,
     ReducerRole,
     forward_clients,
-    per_client,
 )
 from pc_server.errors import ReducerStoppedError
 from pc_server.grad_client import GradMessage
@@ -95,7 +97,8 @@ class SecondaryReducer(ReducerRole[Queued]):
                 f"{'failed' if self.health.error is not None else 'was stopped'}; no pushes accepted"
             )
         schema = (message.grads.names, message.grads.shapes)
-        with self._lock:
+        # under the ledger's lock: queueing, the dedup entry and the booking are one step for a checkpoint
+        with self.ledger.lock, self._lock:
             if self._schema is None:
                 self._schema = schema
             elif schema != self._schema:
@@ -116,19 +119,21 @@ class SecondaryReducer(ReducerRole[Queued]):
                 self._last_seq[message.client] = (message.seq, False)
                 self.ledger.record("refused_stale", {message.client: 1})
                 return False, head
-        # one client pushes one message at a time, so nothing else can book this (client, seq) meanwhile
-        self.queue.put(Queued(message.version, message.grads, time.monotonic(), message.client))
-        with self._lock:
+            self.queue.put(Queued(message.version, message.grads, time.monotonic(), message.client))
             self._last_seq[message.client] = (message.seq, True)
-        self.ledger.record("accepted", {message.client: 1})
-        return True, head
+            self.ledger.record("accepted", {message.client: 1})
+            return True, head
 
     def state(self) -> dict[str, Any]:
-        """The ``(client, seq)`` table and the known head, for a checkpoint."""
-        with self._lock:
+        """The ``(client, seq)`` table, the known head and the pushes not forwarded yet, for a checkpoint.
+
+        Call it under the ledger's lock (as ``grad_state`` does) so that ``pending`` and the ledger agree.
+        """
+        with self.ledger.lock, self._lock:
             return {
                 "dedup": {c: [seq, ok] for c, (seq, ok) in self._last_seq.items()},
                 "head": self._known_head,
+                "pending": [[it.version, it.grads, it.client] for it in self.queue.pending()],
             }
 
     def load(self, state: object) -> None:
@@ -145,9 +150,12 @@ class SecondaryReducer(ReducerRole[Queued]):
                 raise ValueError(f"dedup entry of client {client!r} must be [seq, accepted], got {entry!r}")
             table[str(client)] = (check_int(f"dedup[{client!r}] seq", entry[0]), entry[1])
         head = check_int("secondary head", state.get("head"))
-        with self._lock:
+        pending = [_push(i, entry) for i, entry in enumerate(state.get("pending", []))]
+        with self.ledger.lock, self._lock:
             self._last_seq = table
             self._known_head = head
+            for item in pending:  # forwarded once the server starts, as if they had just arrived
+                self.queue.put(item)
 
     def say_done(self) -> None:
         """Tell the primary this secondary forwarded everything (after :meth:`stop`)."""
@@ -161,43 +169,54 @@ class SecondaryReducer(ReducerRole[Queued]):
                 exc,
             )
 
-    def _loop(self) -> None:
-        cfg = self.config
-        while True:
-            batch = self.queue.get_batch(cfg.reduce_batch_size, cfg.flush_timeout)
-            if batch is None:
-                return
-            clients: dict[int, Counter[str]] = {}
-            for item in batch:
-                clients.setdefault(item.version, Counter())[item.client] += 1
-            self.inflight = per_client(clients.values())
-            oldest = min(item.enqueued for item in batch)
-            groups = reduce_pushes(((it.version, unpack(it.grads, cfg.reduce_device)) for it in batch), None)
-            kept, _dropped = drop_stale(groups, self.head, cfg.max_staleness)
-            self.ledger.record("dropped_stale", per_client(clients[v] for v in groups if v not in kept))
-            if kept:
-                forward = Forward({v: (pack(p.sums), p.pushes, dict(clients[v])) for v, p in kept.items()})
-                self._send(forward, time.monotonic() - oldest)
-            self.inflight = {}
+    def _reduce(self, batch: list[Queued]) -> tuple[dict[int, Partial], dict[int, Counter[str]]]:
+        clients: dict[int, Counter[str]] = {}
+        for item in batch:
+            clients.setdefault(item.version, Counter())[item.client] += 1
+        device = self.config.reduce_device
+        return reduce_pushes(((it.version, unpack(it.grads, device)) for it in batch), None), clients
 
-    def _send(self, forward: Forward, age: float) -> None:
+    def _head(self) -> int:
+        return self.head
+
+    def _guard(self) -> AbstractContextManager[Any]:
+        # co-located: the primary's queueing and this batch's release are one step for a checkpoint; a remote
+        # forward is not held under a lock (until it returns, both processes' checkpoints hold the bundle)
+        return self.ledger.lock if self._local_head is not None else contextlib.nullcontext()
+
+    def _deliver(
+        self, kept: dict[int, Partial], clients: dict[int, Counter[str]], batch: list[Queued]
+    ) -> Booking | None:
+        forward = Forward({v: (pack(p.sums), p.pushes, dict(clients[v])) for v, p in kept.items()})
+        oldest = min(item.enqueued for item in batch)
         try:
-            head = self._forward(forward, age)
+            head = self._forward(forward, time.monotonic() - oldest)
         except (ReducerStoppedError, ConnectionError, KeyError) as exc:
             if self.health.error is not None or not self.queue.closed:
                 raise  # a failure (the co-located primary's, or the transport's): booked as dropped_error
             # shutting down and the primary is gone or stopped first: booked, and said out loud
-            n = self.ledger.record("dropped_shutdown", forward_clients(forward))
+            lost = forward_clients(forward)
             logger.warning(
                 "gradient server %r: the primary %r stopped before the secondary %r; dropping a final "
                 "bundle of %d pushes (%r). Stop the secondaries before the primary.",
                 self.config.server_name,
                 self.config.primary_reducer,
                 self.config.me,
-                n,
+                sum(lost.values()),
                 exc,
             )
-            return
+            return "dropped_shutdown", lost
         with self._lock:
             self.forwarded += 1
             self._known_head = max(self._known_head, int(head))
+        return None
+
+
+def _push(index: int, entry: object) -> Queued:
+    """A checkpointed pending push, validated; the message names ``pending[index]``."""
+    if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[1], Packed)):
+        raise ValueError(
+            f"secondary pending[{index}] must be [version, packed gradients, client], got {entry!r:.200}"
+        )
+    version = check_int(f"secondary pending[{index}] version", entry[0])
+    return Queued(version, entry[1], time.monotonic(), str(entry[2]))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pc_server.grad_client import PushPullGradServer
-from pc_server.grad_server import PushPullGradServerImpl
+from pc_server.grad_server import STOP_TIMEOUT_S, PushPullGradServerImpl
 from pc_server.model_server import PushPullModelServer, PushPullModelServerImpl
 
 __all__ = ["ServerTuple", "grad_server_helper", "model_server_helper"]
@@ -45,11 +45,11 @@ class ServerTuple(tuple):  # type: ignore[type-arg]
             if isinstance(impl, PushPullGradServerImpl):
                 impl.watch()
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float | None = STOP_TIMEOUT_S) -> None:
         """Stop every hosted gradient reducer (idempotent); model servers need no stopping.
 
         Args:
-            timeout: Seconds to wait for each reducer thread.
+            timeout: Seconds to wait for each reducer thread (see ``PushPullGradServerImpl.stop``).
         """
         for impl in self.impls:
             if isinstance(impl, PushPullGradServerImpl):

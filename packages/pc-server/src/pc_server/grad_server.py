@@ -49,7 +49,10 @@ from pc_server.grad_config import GradServerConfig
 from pc_server.ledger import GradLedger, LedgerBook
 from pc_server.ordered_server import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
-__all__ = ["GradServerStats", "PushPullGradServerImpl"]
+__all__ = ["STOP_TIMEOUT_S", "GradServerStats", "PushPullGradServerImpl"]
+
+STOP_TIMEOUT_S = 60.0
+"""Default seconds :meth:`PushPullGradServerImpl.stop` waits for each reducer thread."""
 
 
 class PushPullGradServerImpl:
@@ -262,7 +265,7 @@ class PushPullGradServerImpl:
             if role is not None:
                 role.start()
 
-    def stop(self, timeout: float | None = None, *, secondaries_timeout: float = 10.0) -> None:
+    def stop(self, timeout: float | None = STOP_TIMEOUT_S, *, secondaries_timeout: float = 10.0) -> None:
         """Stop accepting pushes, reduce what is queued, and join the reducer threads (idempotent).
 
         The secondary drains first (forwarding its partial sums) and then tells the primary it is done; the
@@ -273,7 +276,8 @@ class PushPullGradServerImpl:
         ``dropped_shutdown`` too.
 
         Args:
-            timeout: Seconds to wait for each thread; ``None`` waits until they finish draining.
+            timeout: Seconds to wait for each thread. ``None`` waits until it drained its closed queue, which
+                ends: draining waits only on forward RPCs (bounded by the RPC timeout) and optimizer steps.
             secondaries_timeout: On the primary, seconds to wait for the other secondaries to finish
                 (woken by each one's final message); ``0`` does not wait.
 
@@ -317,17 +321,12 @@ class PushPullGradServerImpl:
         return self._primary.wait_for_version(version, timeout)
 
     def stats(self) -> GradServerStats:
-        """A snapshot of this process's counters."""
-        total = self._ledger.snapshot().total
+        """A snapshot of this process's counters (its ledger totals and the reducers' own counters)."""
         sec, prim = self._secondary, self._primary
         return GradServerStats(
-            received=total.accepted,
-            duplicates=total.duplicates,
-            dropped_stale=total.refused_stale + total.dropped_stale,
-            dropped_overflow=sum(r.queue.dropped for r in (sec, prim) if r is not None),
+            pushes=self._ledger.snapshot().total,
             forwarded=sec.forwarded if sec is not None else 0,
             steps=prim.steps if prim is not None else 0,
-            applied=total.applied,
             version=prim.version if prim is not None else (sec.head if sec is not None else 0),
         )
 
@@ -346,8 +345,8 @@ class PushPullGradServerImpl:
         """A checkpoint of this reducer process for ``torch.save`` (recipe: docs/server.md, "Checkpoint").
 
         The primary's part: model, optimizer and scheduler state, version and steps, of one step (safe while
-        running); a secondary's: its ``(client, seq)`` table; every process's: its :meth:`ledger`. Queued
-        pushes are not in it: a checkpoint taken after :meth:`stop` restores a ledger that balances.
+        running); a secondary's: its ``(client, seq)`` table; every process's: its :meth:`ledger` and the
+        pushes it accepted and has not passed on (re-queued by the restored server; docs/server.md).
 
         Raises:
             RuntimeError: On the primary, before :meth:`manage_model`.

@@ -104,10 +104,15 @@ class GradLedger:
 
 
 class LedgerBook:
-    """A reducer process's thread-safe ledger (internal; read it through ``snapshot()``)."""
+    """A reducer process's thread-safe ledger (internal; read it through ``snapshot()``).
+
+    Attributes:
+        lock: Re-entrant; the reducers' queues share it, so a push moves between a queue and a ledger entry
+            in one step and a checkpoint taken under it sees each push exactly once (queued or booked).
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()
         self._ledger = GradLedger()
 
     def record(self, field: str, per_client: Mapping[str, int]) -> int:
@@ -119,7 +124,7 @@ class LedgerBook:
         if field not in _FIELDS:
             raise ValueError(f"unknown ledger field {field!r}; expected one of {_FIELDS}")
         added = 0
-        with self._lock:
+        with self.lock:
             for client, n in per_client.items():
                 counts = self._ledger.clients.setdefault(client, PushCounts())
                 setattr(counts, field, getattr(counts, field) + n)
@@ -129,7 +134,7 @@ class LedgerBook:
 
     def snapshot(self) -> GradLedger:
         """A deep copy of the current ledger."""
-        with self._lock:
+        with self.lock:
             return GradLedger(
                 dataclasses.replace(self._ledger.total),
                 {c: dataclasses.replace(n) for c, n in self._ledger.clients.items()},
@@ -153,7 +158,7 @@ class LedgerBook:
             raise ValueError(f"ledger state must be {{'total': ..., 'clients': {{...}}}}, got {state!r}")
         total = _counts("ledger total", state.get("total"))
         clients = {str(c): _counts(f"ledger of client {c!r}", n) for c, n in state["clients"].items()}
-        with self._lock:
+        with self.lock:
             self._ledger = GradLedger(total, clients)
 
 
