@@ -355,7 +355,7 @@ def _co_located(hub: Hub, impls: list[PushPullGradServerImpl], state: Any = None
 
 
 def test_grad_checkpoint_while_running_keeps_the_queued_pushes(impls: list[PushPullGradServerImpl]) -> None:
-    """A checkpoint taken with pushes queued at both levels: restored, they are applied; the ledger balances."""
+    """A checkpoint with pushes queued at both levels: restored, they are applied; the ledger balances."""
     hub = Hub(["0", "1"])
     impl, _managed = _co_located(hub, impls)
     client = hub.group("1").get_paired("gs").to_here()

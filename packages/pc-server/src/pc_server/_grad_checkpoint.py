@@ -11,9 +11,10 @@ Layout (``torch.save``-able)::
      "ledger":    {"total": {...}, "clients": {client: {...}}}}
 
 ``pending`` holds what the process had accepted and not yet passed on (queued, or taken into the batch being
-reduced): a checkpoint of a running server is taken under the step lock and the ledger's lock, so each push the
-ledger counts as accepted here is either booked (applied or dropped) or in ``pending``, and a restored server
-re-queues ``pending`` when it starts. Checkpoints written before ``pending`` existed load as if it were empty.
+reduced): a checkpoint of a running server is taken under the step lock and the ledger's lock, so each push
+the ledger counts as accepted here is either booked (applied or dropped) or in ``pending``, and a restored
+server re-queues ``pending`` when it starts. Checkpoints written before ``pending`` existed load as if it were
+empty.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def grad_state(
 ) -> dict[str, Any]:
     """The checkpoint of one reducer process (see the module docstring).
 
-    On the primary the step lock is held throughout, so the ledger's applied counts match the model's step; the
-    ledger's lock is held too, so no push moves between a queue and the ledger meanwhile.
+    On the primary the step lock is held throughout, so the ledger's applied counts match the model's step;
+    the ledger's lock is held too, so no push moves between a queue and the ledger meanwhile.
     """
     with primary.step_lock if primary is not None else contextlib.nullcontext(), ledger.lock:
         return _state(config, primary, secondary, ledger)
