@@ -141,8 +141,11 @@ def happy_world(rank: int) -> dict[str, Any]:
             params == [id(p) for p in wide.parameters()],
         )
         wide.fill(-4.0)
-        assert big_server._o_server_impl is not None
-        stored, version = big_server._o_server_impl._store.pull("model")  # the stored object itself
+        hosted = big_server.o_server_impl
+        assert hosted is not None
+        found = hosted.peek("model")  # the stored object itself
+        assert found is not None
+        stored, version = found
         out["big_stored"] = (
             version,
             sorted({v for t in stored.large.values() for v in t.flatten().tolist()}),

@@ -78,7 +78,7 @@ def test_ordered_load_trims_to_this_servers_depth(hub3: Hub) -> None:
         deep.push("a", v, v, v - 1 if v > 1 else None)
     shallow = OrderedServerSimpleImpl("kv2", hub3.group("0"), version_depth=2)
     shallow.load_state_dict(deep.state_dict())
-    assert shallow._store.versions("a") == [3, 4]
+    assert [v for v, _ in shallow.state_dict()["entries"]["a"]] == [3, 4]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""pc-server failure paths over real RPC: a dead client, a hung handler, a dead server."""
+"""pc-server failure paths over real RPC: a dead client, a hung handler, a dead server (no timing asserts)."""
 
 from __future__ import annotations
 
@@ -29,13 +29,11 @@ def test_client_death_hung_handler_and_server_death(tmp_path: Path) -> None:
     assert report["push_after_client_death"] is False
     assert report["adopted"] == 1
     assert report["push_again"] is True
-    # a hung handler: TimeoutError naming the server, after about rpc_timeout
-    kind, elapsed, message = report["hung"]
+    # a hung handler: a TimeoutError naming the server (the RPC timeout ends it; the handler never returns)
+    kind, _elapsed, message = report["hung"]
     assert kind == "TimeoutError", report["hung"]
     assert "hang" in message
-    assert elapsed < RPC_TIMEOUT + 5.0
-    # a dead server: ConnectionError naming it, promptly
-    kind, elapsed, message = report["server_dead"]
+    # a dead server: a ConnectionError (or the RPC's TimeoutError) naming it; times: benchmarks/faults.py
+    kind, _elapsed, message = report["server_dead"]
     assert kind in ("ConnectionError", "TimeoutError"), report["server_dead"]
     assert "'ms_o_server'" in message
-    assert elapsed < RPC_TIMEOUT + 1.0

@@ -104,7 +104,7 @@ class DictServer(OrderedServerBase):
 def test_custom_o_server_generic_path(hub3: Hub) -> None:
     o = DictServer()
     impl = PushPullModelServerImpl("custom", hub3.group("0"), model_name="net", o_server=o)
-    assert impl._o_server_impl is None
+    assert impl.o_server_impl is None
     accessor = PushPullModelServer("net", o)
     m1, m2 = ThreeLayer(), ThreeLayer()
     _bump(m1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -126,16 +125,53 @@ def test_queue_full_batch_wakes_consumer_promptly() -> None:
     assert got == [[0, 1, 2]]
 
 
-def test_queue_partial_flush_after_timeout_and_age() -> None:
+class _FakeClock:
+    """``time.monotonic`` for the queue; its waits advance the clock instead of sleeping, and are recorded."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.waits: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wait(self, timeout: float | None = None) -> bool:
+        assert timeout is not None, "the queue never waits without a bound"
+        self.waits.append(timeout)
+        self.now += timeout
+        return False
+
+
+def test_queue_partial_flush_after_timeout_and_age(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _FakeClock()
+    monkeypatch.setattr("pc_server._batch_queue.time", clock)
     q: BatchQueue[str] = BatchQueue(8)
+    monkeypatch.setattr(q._cond, "wait", clock.wait)
     q.put("old", age=200.0)  # already waited longer than the flush timeout elsewhere: due at once
-    start = time.monotonic()
     assert q.get_batch(4, flush_timeout=120.0) == ["old"]
-    assert time.monotonic() - start < 60.0  # due at once, not after the 120 s flush timeout (generous bound)
+    assert clock.waits == []  # returned without waiting
+    q.release()
     q.put("new")
-    start = time.monotonic()
     assert q.get_batch(4, flush_timeout=0.2) == ["new"]
-    assert time.monotonic() - start >= 0.15
+    assert clock.waits == [pytest.approx(0.2)]  # a partial batch waits exactly until its oldest item is due
+
+
+def test_queue_holds_a_taken_batch_until_released() -> None:
+    q: BatchQueue[int] = BatchQueue(8)
+    for i in range(3):
+        q.put(i)
+    assert q.get_batch(2, flush_timeout=None) == [0, 1]
+    assert q.pending() == [
+        0,
+        1,
+        2,
+    ]  # the taken batch is still the queue's until released (a checkpoint sees it)
+    q.release()
+    assert q.pending() == [2]
+    assert q.get_batch(2, flush_timeout=0.0) == [2]
+    q.put(3)
+    assert q.drain() == [2, 3]  # after a failure: the held batch and the waiting items
+    assert q.pending() == []
 
 
 def test_queue_overflow_drops_oldest_and_counts(caplog: pytest.LogCaptureFixture) -> None:

@@ -205,6 +205,11 @@ class PushPullModelServerImpl:
         group.pair(server_name, PushPullModelServer(self.model_name, self.o_server))
         logger.debug("model server %r serving on %r", server_name, group.get_cur_name())
 
+    @property
+    def o_server_impl(self) -> OrderedServerSimpleImpl | None:
+        """The ordered server hosted in this process, or ``None`` with a custom ``o_server``."""
+        return self._o_server_impl
+
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of the hosted ordered server: the model's retained versions, for ``torch.save``.
 

@@ -249,6 +249,18 @@ class OrderedServerSimpleImpl:
         found = self._store.pull(key, version)
         return None if found is None else (snapshot(found[0]), found[1])
 
+    def peek(self, key: Any, version: Any = None) -> tuple[Any, Any] | None:
+        """The stored entry itself, not a copy (to inspect what the server holds; never mutate it).
+
+        Args:
+            key: Key.
+            version: Target version, or ``None`` for the newest.
+
+        Returns:
+            ``(stored value, version)`` or ``None``.
+        """
+        return self._store.pull(key, version)
+
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of every key with all its retained versions (private copies), for ``torch.save``.
 
