@@ -72,6 +72,7 @@ class SecondaryReducer(ReducerRole[Queued]):
         self._schema: tuple[tuple[str, ...], tuple[tuple[int, ...], ...]] | None = None
         self._known_head = 0
         self.forwarded = 0
+        self._packed: dict[int, Packed] = {}  # the batch's groups, packed (reducer thread)
 
     def _clients_of(self, item: Queued) -> dict[str, int]:
         return {item.client: 1}
@@ -174,7 +175,9 @@ class SecondaryReducer(ReducerRole[Queued]):
         for item in batch:
             clients.setdefault(item.version, Counter())[item.client] += 1
         device = self.config.reduce_device
-        return reduce_pushes(((it.version, unpack(it.grads, device)) for it in batch), None), clients
+        groups = reduce_pushes(((it.version, unpack(it.grads, device)) for it in batch), None)
+        self._packed = {v: pack(p.sums) for v, p in groups.items()}  # outside any lock (a copy)
+        return groups, clients
 
     def _head(self) -> int:
         return self.head
@@ -187,7 +190,7 @@ class SecondaryReducer(ReducerRole[Queued]):
     def _deliver(
         self, kept: dict[int, Partial], clients: dict[int, Counter[str]], batch: list[Queued]
     ) -> Booking | None:
-        forward = Forward({v: (pack(p.sums), p.pushes, dict(clients[v])) for v, p in kept.items()})
+        forward = Forward({v: (self._packed[v], p.pushes, dict(clients[v])) for v, p in kept.items()})
         oldest = min(item.enqueued for item in batch)
         try:
             head = self._forward(forward, time.monotonic() - oldest)
