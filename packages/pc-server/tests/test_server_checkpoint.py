@@ -364,7 +364,9 @@ def test_grad_checkpoint_while_running_keeps_the_queued_pushes(impls: list[PushP
     # push 7 in the secondary's queue for a second push (no flush timeout): take checkpoints until it is so
     deadline = time.monotonic() + WAIT
     state = impl.state_dict()
-    while not (state["primary"]["pending"] and state["secondary"]["pending"]) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (
+        state["primary"]["version"] == 1 and state["primary"]["pending"] and state["secondary"]["pending"]
+    ):
         impl.wait_for_version(1, WAIT)
         state = impl.state_dict()
     assert state["primary"]["version"] == 1
