@@ -387,6 +387,8 @@ def test_grad_checkpoint_while_running_keeps_the_queued_pushes(impls: list[PushP
 
 
 def test_grad_checkpoint_pending_entries_are_validated(impls: list[PushPullGradServerImpl]) -> None:
+    from server_models import PlainSGD
+
     good = _co_located(Hub(["0", "1"]), impls)[0].state_dict()
     hub = Hub(["0", "1"])
     cases: list[tuple[str, Any, str]] = [
@@ -397,12 +399,24 @@ def test_grad_checkpoint_pending_entries_are_validated(impls: list[PushPullGradS
         impl = PushPullGradServerImpl("gs", hub.group("0"), secondary_reducers=["0"])
         impls.append(impl)
         model = ThreeLayer()
-        from server_models import PlainSGD
-
         impl.manage_model(model, PlainSGD(model.parameters()))
         with pytest.raises(ValueError, match=match):
             impl.load_state_dict({**good, role: {**good[role], "pending": pending}})
         hub = Hub(["0", "1"])
+    # a primary part that does not fit leaves the secondary's part unloaded: nothing queued twice on a retry
+    impl = PushPullGradServerImpl("gs", hub.group("0"), secondary_reducers=["0"])
+    impls.append(impl)
+    model = ThreeLayer()
+    impl.manage_model(model, PlainSGD(model.parameters()))
+    push = [0, pack({n: torch.ones_like(p) for n, p in model.named_parameters()}), "c"]
+    bad_model = {**good["primary"], "model": {"fc9.weight": torch.ones(1, 1)}}
+    with pytest.raises(ValueError, match="model state does not fit"):
+        impl.load_state_dict(
+            {**good, "primary": bad_model, "secondary": {**good["secondary"], "pending": [push]}}
+        )
+    assert impl.state_dict()["secondary"]["pending"] == []
+    impl.load_state_dict({**good, "secondary": {**good["secondary"], "pending": [push]}})
+    assert len(impl.state_dict()["secondary"]["pending"]) == 1
 
 
 def test_clients_of_a_dead_primary_get_an_error_naming_it_and_nothing_is_silent(

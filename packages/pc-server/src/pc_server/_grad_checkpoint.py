@@ -72,7 +72,11 @@ def load_grad_state(
     ledger: LedgerBook,
     state: object,
 ) -> None:
-    """Validate ``state`` against this process's roles, then restore it (the primary last: it publishes).
+    """Validate ``state`` against this process's roles, then restore it.
+
+    The secondary's part and the ledger are validated before anything changes; the primary's part is loaded
+    into the managed objects (its errors name the part that does not fit), then the secondary's and the
+    ledger are restored.
 
     Raises:
         TypeError: ``state`` is not a dict, or holds state a managed object cannot load.
@@ -98,8 +102,9 @@ def load_grad_state(
         raise RuntimeError("call manage_model() before load_state_dict(): the primary holds no model yet")
     probe = LedgerBook()
     probe.load(state["ledger"])  # validated before anything changes
-    if secondary is not None:
-        secondary.load(state["secondary"])
+    restore_secondary = secondary.load(state["secondary"]) if secondary is not None else None  # validates
     if primary is not None:
         primary.load(state["primary"])
+    if restore_secondary is not None:
+        restore_secondary()
     ledger.load(state["ledger"])

@@ -137,8 +137,10 @@ class SecondaryReducer(ReducerRole[Queued]):
                 "pending": [[it.version, it.grads, it.client] for it in self.queue.pending()],
             }
 
-    def load(self, state: object) -> None:
-        """Restore :meth:`state`'s output (before the server starts).
+    def load(self, state: object) -> Callable[[], None]:
+        """Validate :meth:`state`'s output; return the step that restores it (before the server starts).
+
+        Nothing changes until the returned callable runs, so the caller can validate every role first.
 
         Raises:
             ValueError: A malformed entry, named in the message.
@@ -152,11 +154,15 @@ class SecondaryReducer(ReducerRole[Queued]):
             table[str(client)] = (check_int(f"dedup[{client!r}] seq", entry[0]), entry[1])
         head = check_int("secondary head", state.get("head"))
         pending = [_push(i, entry) for i, entry in enumerate(state.get("pending", []))]
-        with self.ledger.lock, self._lock:
-            self._last_seq = table
-            self._known_head = head
-            for item in pending:  # forwarded once the server starts, as if they had just arrived
-                self.queue.put(item)
+
+        def restore() -> None:
+            with self.ledger.lock, self._lock:
+                self._last_seq = table
+                self._known_head = head
+                for item in pending:  # forwarded once the server starts, as if they had just arrived
+                    self.queue.put(item)
+
+        return restore
 
     def say_done(self) -> None:
         """Tell the primary this secondary forwarded everything (after :meth:`stop`)."""
