@@ -176,11 +176,7 @@ class World:
 
     @property
     def waits(self) -> WaitStores:
-        """The clients for blocking store waits (one connection per wait).
-
-        Raises:
-            RuntimeError: After :meth:`stop`.
-        """
+        """The clients for blocking store waits (one connection per wait); ``RuntimeError`` after stop."""
         return self._connection().waits
 
     # -- accessors ---
