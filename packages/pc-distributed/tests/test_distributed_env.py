@@ -103,3 +103,21 @@ def test_rank_died_error_pickles() -> None:
     err = pickle.loads(pickle.dumps(RankDiedError(1, -9, "rank 1 was killed by SIGKILL")))
     assert (err.rank, err.exitcode, str(err)) == (1, -9, "rank 1 was killed by SIGKILL")
     assert isinstance(err, RuntimeError)
+
+
+def test_addr_argument_wins_over_master_addr() -> None:
+    env = {"MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "2"}
+    spec = resolve_world_spec(-1, -1, None, None, env=env, addr="127.0.0.1")
+    assert spec.dist_url == "tcp://127.0.0.1:29500"
+    assert spec.serves_store()
+    assert spec.serves_loopback()
+    assert spec.on_loopback()
+    outside = resolve_world_spec(-1, -1, None, None, env=env)
+    assert outside.serves_store()
+    assert not outside.serves_loopback()
+    assert not outside.on_loopback()
+    assert not resolve_world_spec(1, 2, None, None, env=env).serves_store()  # only rank 0 serves
+    with pytest.raises(ValueError, match="not both"):
+        resolve_world_spec(0, 1, "tcp://127.0.0.1:1", None, env={}, addr="127.0.0.1")
+    with pytest.raises(TypeError, match="addr must be a non-empty str"):
+        resolve_world_spec(0, 1, None, None, env={}, addr="")

@@ -78,10 +78,9 @@ def _open(spec: WorldSpec, name: str, rank: int, world_size: int, timeout: float
         return call_bounded(
             lambda: _torch_dist.open_store(spec.dist_url, rank, world_size, timeout), timeout, what
         )
-    except TimeoutError as exc:
-        raise TimeoutError(f"{exc} ({hint})") from exc
-    except (RuntimeError, OSError) as exc:  # refused, unreachable, or torch's own timeout of the connect
-        raise TimeoutError(f"{what}: not reachable within {timeout:g} s: {exc} ({hint})") from exc
+    except (RuntimeError, OSError) as exc:  # silent, refused, unreachable, or torch's own connect timeout
+        detail = "no answer" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+        raise TimeoutError(f"{what}: not reachable within {timeout:g} s ({detail}); {hint}") from exc
 
 
 def connect(spec: WorldSpec, name: str, rank: int, world_size: int, timeout: float) -> Connection:
