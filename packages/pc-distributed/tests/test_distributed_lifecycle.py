@@ -5,6 +5,7 @@ Runs inside a forked one-rank world so that the pytest process never initialises
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
@@ -40,6 +41,14 @@ def _lifecycle(rank: int) -> dict[str, Any]:
     group = solo.create_rpc_group("g", ["solo"])
     group.register("double", _double)
     out["self_call"] = group.registered_sync("double", args=(21,))
+    out["seed_default"] = group.registered_sync("double", args=(2,), timeout=-1)  # machin's "the default"
+    out["registry"] = (solo.get_rpc_group("g") is group, dict(solo.groups) == {"g": group})
+    out["registry_read_only"] = _catch(operator.setitem, solo.groups, "x", group)[0]
+    out["same_name_twice"] = _catch(solo.create_rpc_group, "g", ["solo"])
+    group.destroy()
+    out["after_destroy"] = (solo.get_rpc_group("g"), _catch(group.registered_sync, "double", args=(1,)))
+    group = solo.create_rpc_group("g", ["solo"])  # the name is free again (a new instance of it)
+    group.barrier(timeout=5)
     cg = solo.create_collective_group([0])
     out["cg_size"] = cg.size()
     solo.stop(timeout=5)
@@ -175,3 +184,14 @@ def test_bad_address_and_interface_arguments(observed: dict[str, Any]) -> None:
     assert bad[2][0] == "ValueError"
     assert "not both" in bad[2][1]
     assert observed["interfaces"]["left_over"] is None
+
+
+def test_world_holds_its_rpc_groups(observed: dict[str, Any]) -> None:
+    assert observed["seed_default"] == 4
+    assert observed["registry"] == (True, True)
+    assert observed["registry_read_only"] == "TypeError"  # only the World's methods change it
+    assert observed["same_name_twice"][0] == "RuntimeError"
+    assert "already exists" in observed["same_name_twice"][1]
+    gone, call = observed["after_destroy"]
+    assert gone is None
+    assert call == ("RuntimeError", "RpcGroup 'g' has been destroyed")

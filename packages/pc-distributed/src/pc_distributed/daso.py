@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pc_distributed._transport import check_timeout
 from pc_distributed.daso_exchange import Exchange, complete_exchange, flatten, staleness_merge, start_exchange
 from pc_distributed.daso_schedule import PlateauDetector, SkipState, next_skips, phase_of
 from pc_distributed.daso_topology import DasoTopology, build_topology, default_local_size
@@ -138,8 +139,7 @@ class DASO:
         for name, flag in (("use_mpi_groups", use_mpi_groups), ("verbose", verbose)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be None or > 0 seconds, got {timeout!r}")
+        timeout = check_timeout(timeout)  # the package's convention: None (or -1) is the group's timeout
         group = resolve_group(comm)
         if group_size(group) != dist.get_world_size():
             raise ValueError(

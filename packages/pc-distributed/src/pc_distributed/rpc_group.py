@@ -70,12 +70,10 @@ class RpcGroup:
 
     # -- plumbing ---
     def _world(self) -> GroupHost:
-        if self._host is None:
-            # Only a handle made by hand or unpickled before this process had a World gets here.
-            world = current_world()
-            if world is None:
+        if self._host is None:  # a group made by hand, or unpickled before this process had a World
+            self._host = current_world()
+            if self._host is None:
                 raise RuntimeError(f"RpcGroup {self.group_name!r}: no World in this process")
-            self._host = world
         return self._host
 
     def _dir(self) -> Directory:
@@ -346,10 +344,12 @@ class RpcGroup:
         if self.destroyed:
             return
         self.destroyed = True
-        if not self._live or self._host is None:
+        if not self._live:
             return
         tables = _remote.drop_tables(self.group_name)
-        self._host.detach_rpc_group(self.group_name, self)
+        if self._host is None and current_world() is None:
+            return
+        self._world().detach_rpc_group(self.group_name, self)
         if tables is not None:
             self._dir().release_all(tables)
 
