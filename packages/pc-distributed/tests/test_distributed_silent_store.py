@@ -203,3 +203,13 @@ def test_world_names_an_unreachable_rendezvous() -> None:
     assert url in str(info.value)
     assert "MASTER_ADDR" in str(info.value)  # says what to check
     assert pd.get_world() is None
+
+
+def test_rank_zero_binds_exactly_the_given_address() -> None:
+    # 10.255.255.1 is no address of this host: serving on every interface would have succeeded.
+    from pc_distributed import _rendezvous
+    from pc_distributed._env import resolve_world_spec
+
+    spec = resolve_world_spec(0, 2, None, None, env={"MASTER_PORT": "0"}, addr="10.255.255.1")
+    with pytest.raises(OSError, match=r"rank 0 cannot serve the rendezvous store on 10\.255\.255\.1:0"):
+        _rendezvous.connect(spec, "a", 0, 2, 2)
