@@ -72,3 +72,34 @@ def test_replica_error_reaches_caller_through_sync_bn() -> None:
         dp(torch.randn(5, 4))
     # The module stays usable: the next forward with healthy chunks works.
     assert dp(torch.randn(6, 4)).shape == (6, 4)
+
+
+@pytest.mark.parametrize("failing", [0, 2])  # the replica whose SyncBN is the master, and a slave's
+def test_replica_error_releases_the_sync_bn_peers_by_the_abort(failing: int) -> None:
+    """The peers waiting in SyncBN leave with SyncAbortedError (the abort), never SyncTimeoutError.
+
+    Moved here from pc-replicate's own tests, which must not import pc-sync. The sync timeout is left at its
+    default (minutes); the peers' error type shows what released them, so no clock is needed.
+    """
+    seen: list[str] = []
+
+    class Recorder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = pc_sync.SynchronizedBatchNorm1d(3).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x[0, 0] > 100:
+                raise ValueError("marked chunk")
+            try:
+                return self.bn(x)
+            except Exception as exc:
+                seen.append(type(exc).__name__)
+                raise
+
+    x = torch.randn(12, 3, dtype=torch.float64)
+    x[4 * failing, 0] = 1000.0
+    with pytest.raises(ValueError, match="marked chunk") as info:
+        pc_replicate.ReplicationCallbackDataParallel(Recorder(), ["cpu"] * 3)(x)
+    assert sorted(seen) == ["SyncAbortedError", "SyncAbortedError"]
+    assert any(f"replica {failing}" in note for note in getattr(info.value, "__notes__", []))

@@ -63,7 +63,11 @@ def test_dp_local_argument_errors_come_before_any_communication() -> None:
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         DataParallel(net, optimizer=opt, bucket_cap_mb=0)
     with pytest.raises(ValueError, match="timeout"):
-        DataParallel(net, optimizer=opt, timeout=-1.0)
+        DataParallel(net, optimizer=opt, timeout=0)
+    with pytest.raises(ValueError, match="timeout"):
+        DataParallel(net, optimizer=opt, timeout=-2.0)
+    with pytest.raises(TypeError, match="timeout"):
+        DataParallel(net, optimizer=opt, timeout="60")  # type: ignore[arg-type]
 
 
 def test_dp_timeout_conversion() -> None:

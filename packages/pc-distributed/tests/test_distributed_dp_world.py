@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import distributed_dp_testutils as tu
@@ -50,11 +49,10 @@ def test_dp_bad_input_raises_on_every_rank(numerics: list[dict]) -> None:
 
 def test_dp_peer_death_raises_instead_of_hanging(tmp_path: Path) -> None:
     report = tmp_path / "survivor.txt"
-    start = time.monotonic()
+    # RankDiedError, not run_world's TimeoutError: the survivor's report proves it got past the reduction.
     with pytest.raises(RankDiedError):
         run_world(
             tu.dp_peer_death_worker, 2, args=(str(report),), init_rpc=False, timeout=90, dist_timeout=20
         )
-    assert time.monotonic() - start < 145
     assert report.exists(), "the surviving rank did not get past the failed reduction"
     assert report.read_text() != "no error"

@@ -10,6 +10,7 @@ import pytest
 
 from pc_distributed._env import check_name, resolve_world_spec
 from pc_distributed._errors import RankDiedError, RemoteTraceback, portable_exception, reraise_remote
+from pc_distributed._transport import check_timeout, is_timeout, resolve_timeout, transport_error
 
 
 def test_defaults_to_a_one_process_loopback_world_on_a_free_port() -> None:
@@ -103,3 +104,57 @@ def test_rank_died_error_pickles() -> None:
     err = pickle.loads(pickle.dumps(RankDiedError(1, -9, "rank 1 was killed by SIGKILL")))
     assert (err.rank, err.exitcode, str(err)) == (1, -9, "rank 1 was killed by SIGKILL")
     assert isinstance(err, RuntimeError)
+
+
+def test_addr_argument_wins_over_master_addr() -> None:
+    env = {"MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "2"}
+    spec = resolve_world_spec(-1, -1, None, None, env=env, addr="127.0.0.1")
+    assert spec.dist_url == "tcp://127.0.0.1:29500"
+    assert spec.serves_store()
+    assert spec.serves_loopback()
+    assert spec.on_loopback()
+    outside = resolve_world_spec(-1, -1, None, None, env=env)
+    assert outside.serves_store()
+    assert not outside.serves_loopback()
+    assert not outside.on_loopback()
+    assert not resolve_world_spec(1, 2, None, None, env=env).serves_store()  # only rank 0 serves
+    with pytest.raises(ValueError, match="not both"):
+        resolve_world_spec(0, 1, "tcp://127.0.0.1:1", None, env={}, addr="127.0.0.1")
+    with pytest.raises(TypeError, match="addr must be a non-empty str"):
+        resolve_world_spec(0, 1, None, None, env={}, addr="")
+
+
+def test_one_timeout_convention() -> None:
+    assert check_timeout(None) is None
+    assert check_timeout(-1) is None  # the seed's spelling of "the default"
+    assert check_timeout(2) == 2.0
+    assert resolve_timeout(None, 60.0) == 60.0
+    assert resolve_timeout(-1, 60.0) == 60.0
+    assert resolve_timeout(0.5, 60.0) == 0.5
+    for bad in (0, -2, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be > 0 seconds"):
+            check_timeout(bad)
+    for bad in ("1", True):
+        with pytest.raises(TypeError, match="timeout must be None"):
+            check_timeout(bad)
+
+
+def test_transport_errors_are_classified_by_type_first() -> None:
+    import torch.distributed as dist
+
+    # By type: the message would say otherwise.
+    network = dist.DistNetworkError("timed out? no: the peer closed the connection")
+    assert isinstance(transport_error(network, "peer", "rpc"), ConnectionError)
+    assert not is_timeout(network)
+    assert isinstance(transport_error(ConnectionResetError("timeout"), "peer", "rpc"), ConnectionError)
+    timeout = transport_error(TimeoutError("anything"), "peer", "rpc_sync")
+    assert isinstance(timeout, TimeoutError)
+    assert "rpc_sync to 'peer' timed out" in str(timeout)
+    # The documented fallback for torch's RPC agent, which raises a plain RuntimeError for both.
+    assert isinstance(
+        transport_error(RuntimeError("RPC ran for more than set timeout"), "p", "rpc"), TimeoutError
+    )
+    assert isinstance(transport_error(RuntimeError("Connection reset by peer"), "p", "rpc"), ConnectionError)
+    other = transport_error(RuntimeError("something else"), "p", "rpc")
+    assert type(other) is RuntimeError
+    assert "rpc to 'p' failed" in str(other)

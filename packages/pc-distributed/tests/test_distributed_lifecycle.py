@@ -5,6 +5,7 @@ Runs inside a forked one-rank world so that the pytest process never initialises
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
@@ -40,6 +41,14 @@ def _lifecycle(rank: int) -> dict[str, Any]:
     group = solo.create_rpc_group("g", ["solo"])
     group.register("double", _double)
     out["self_call"] = group.registered_sync("double", args=(21,))
+    out["seed_default"] = group.registered_sync("double", args=(2,), timeout=-1)  # machin's "the default"
+    out["registry"] = (solo.get_rpc_group("g") is group, dict(solo.groups) == {"g": group})
+    out["registry_read_only"] = _catch(operator.setitem, solo.groups, "x", group)[0]
+    out["same_name_twice"] = _catch(solo.create_rpc_group, "g", ["solo"])
+    group.destroy()
+    out["after_destroy"] = (solo.get_rpc_group("g"), _catch(group.registered_sync, "double", args=(1,)))
+    group = solo.create_rpc_group("g", ["solo"])  # the name is free again (a new instance of it)
+    group.barrier(timeout=5)
     cg = solo.create_collective_group([0])
     out["cg_size"] = cg.size()
     solo.stop(timeout=5)
@@ -59,6 +68,38 @@ def _lifecycle(rank: int) -> dict[str, Any]:
         _catch(pd.World, name="x", rank=2, world_size=2, dist_init_method="tcp://127.0.0.1:1"),
         _catch(pd.World, name="x", world_size=2),
         _catch(pd.World, name="x", dist_timeout=0),
+    ]
+    out["left_over"] = pd.get_world()
+    out["interfaces"] = _interfaces()
+    return out
+
+
+_IFNAMES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+
+
+def _interfaces() -> dict[str, Any]:
+    """What World sets for gloo and TensorPipe: loopback by default, ``interface`` when given; restored."""
+    out: dict[str, Any] = {}
+    for key in _IFNAMES:
+        os.environ.pop(key, None)
+    world = pd.World(name="lo_default", init_rpc=False, dist_timeout=15)
+    out["default"] = [os.environ.get(k) for k in _IFNAMES]
+    world.stop()
+    out["default_after"] = [os.environ.get(k) for k in _IFNAMES]
+    os.environ["GLOO_SOCKET_IFNAME"] = "users_choice"
+    world = pd.World(name="lo_user", init_dist=False, init_rpc=False, dist_timeout=15)
+    out["user"] = os.environ.get("GLOO_SOCKET_IFNAME")  # left alone (World was given no interface)
+    world.stop()
+    world = pd.World(name="lo_given", addr="127.0.0.1", interface="lo", dist_timeout=15, rpc_timeout=15)
+    out["given"] = [os.environ.get(k) for k in _IFNAMES]
+    group = world.create_rpc_group("ifg", ["lo_given"])
+    out["given_call"] = group.rpc_sync("lo_given", _double, args=(4,))
+    world.stop()
+    out["given_after"] = [os.environ.get(k) for k in _IFNAMES]
+    out["bad"] = [
+        _catch(pd.World, name="x", interface="no_such_if0"),
+        _catch(pd.World, name="x", interface=3),
+        _catch(pd.World, name="x", addr="127.0.0.1", dist_init_method="tcp://127.0.0.1:1"),
     ]
     out["left_over"] = pd.get_world()
     return out
@@ -116,3 +157,41 @@ def test_bad_world_arguments(observed: dict[str, Any]) -> None:
     kinds = [kind for kind, _ in observed["bad"]]
     assert kinds == ["ValueError", "TypeError", "ValueError", "ValueError", "ValueError"]
     assert "needs a rendezvous address" in observed["bad"][3][1]
+
+
+def test_world_binds_gloo_and_tensorpipe_to_loopback_by_default(observed: dict[str, Any]) -> None:
+    got = observed["interfaces"]
+    assert got["default"] == ["lo", "lo"]
+    assert got["default_after"] == [None, None]  # restored when the World stopped
+
+
+def test_world_leaves_the_users_interface_variables_alone(observed: dict[str, Any]) -> None:
+    assert observed["interfaces"]["user"] == "users_choice"
+
+
+def test_world_takes_the_address_and_interface(observed: dict[str, Any]) -> None:
+    got = observed["interfaces"]
+    assert got["given"] == ["lo", "lo"]
+    assert got["given_call"] == 8
+    assert got["given_after"] == ["users_choice", None]
+
+
+def test_bad_address_and_interface_arguments(observed: dict[str, Any]) -> None:
+    bad = observed["interfaces"]["bad"]
+    assert bad[0][0] == "ValueError"
+    assert "no network interface named 'no_such_if0'" in bad[0][1]
+    assert bad[1][0] == "TypeError"
+    assert bad[2][0] == "ValueError"
+    assert "not both" in bad[2][1]
+    assert observed["interfaces"]["left_over"] is None
+
+
+def test_world_holds_its_rpc_groups(observed: dict[str, Any]) -> None:
+    assert observed["seed_default"] == 4
+    assert observed["registry"] == (True, True)
+    assert observed["registry_read_only"] == "TypeError"  # only the World's methods change it
+    assert observed["same_name_twice"][0] == "RuntimeError"
+    assert "already exists" in observed["same_name_twice"][1]
+    gone, call = observed["after_destroy"]
+    assert gone is None
+    assert call == ("RuntimeError", "RpcGroup 'g' has been destroyed")

@@ -26,7 +26,7 @@ from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
 from pc_distributed import _remote
-from pc_distributed._rpc_util import claim_entry
+from pc_distributed._rpc_directory import claim_entry
 from pc_distributed._store import arrival_key, lookup, store_barrier, wait_keys
 from pc_distributed._store_waits import StoreClosedError, WaitStores
 

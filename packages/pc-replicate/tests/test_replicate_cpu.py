@@ -186,30 +186,40 @@ def test_replica_error_reaches_the_caller_with_its_type_and_replica() -> None:
 
 
 def test_replica_error_aborts_peers_blocked_in_a_sync(no_thread_leak: None) -> None:
-    """A replica that fails before a sync releases its peers through __data_parallel_abort__."""
+    """A replica that fails before a sync releases its peers through __data_parallel_abort__.
+
+    Proved by the order of events, not a clock: the peers' barrier has a 60 s timeout, far beyond the
+    ``ABORT_JOIN_TIMEOUT`` (10 s) the caller waits for them after the failure, so peers released by the
+    timeout would not have reported back when the error surfaces. They have, and after the abort.
+    """
+    events: list[str] = []
 
     class Syncing(nn.Module):
         def __data_parallel_replicate__(self, ctx: CallbackContext, copy_id: int) -> None:
             if copy_id == 0:
-                ctx.barrier = threading.Barrier(3, timeout=60)  # far beyond the test's bound
+                ctx.barrier = threading.Barrier(3, timeout=60)
             self.barrier = ctx.barrier
             self.copy_id = copy_id
 
         def __data_parallel_abort__(self, exc: BaseException) -> None:
+            events.append("abort")
             self.barrier.abort()
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if self.copy_id == 1:
                 raise ValueError("replica 1 broke")
-            self.barrier.wait()
+            try:
+                self.barrier.wait()
+            except threading.BrokenBarrierError:
+                events.append(f"released {self.copy_id}")
+                raise
             return x
 
-    import time
-
-    start = time.monotonic()
     with pytest.raises(ValueError, match="replica 1 broke") as info:
         RCDP(Syncing(), ["cpu"] * 3)(torch.randn(3, 2))
-    assert time.monotonic() - start < 30.0  # released by the abort, not the barrier's 60 s timeout
+    released = [e for e in events if e.startswith("released")]
+    assert sorted(released) == ["released 0", "released 2"]  # both peers were out when the error surfaced
+    assert events.index("abort") < min(events.index(e) for e in released)
     assert any("replica 1" in note for note in getattr(info.value, "__notes__", ["replica 1"]))
 
 

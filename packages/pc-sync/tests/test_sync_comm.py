@@ -108,11 +108,9 @@ def test_future_result_spurious_notify_does_not_release_waiter() -> None:
 
 def test_future_result_get_times_out() -> None:
     slot = FutureResult()
-    start = time.monotonic()
-    with pytest.raises(SyncTimeoutError) as info:
+    with pytest.raises(SyncTimeoutError) as info:  # nothing is ever put: only the timeout can end the wait
         slot.get(timeout=0.05)
     assert isinstance(info.value, TimeoutError)
-    assert time.monotonic() - start < JOIN
 
 
 def test_future_result_set_exception_wakes_and_sticks() -> None:
@@ -354,7 +352,9 @@ def test_slave_timeout_names_the_master() -> None:
     assert pickle.loads(pickle.dumps(info.value)).missing == (0,)
 
 
-def test_abort_wakes_every_waiter_within_a_second() -> None:
+def test_abort_wakes_every_waiter() -> None:
+    # The waiters' timeouts are 60 s: their SyncAbortedError chained to the cause (not SyncTimeoutError)
+    # shows the abort released them.
     master = SyncMaster(_sum_and_route)
     for i in (1, 2, 3):
         master.register_slave(i)
@@ -362,9 +362,7 @@ def test_abort_wakes_every_waiter_within_a_second() -> None:
     runner.start(0, lambda: master.run_master(0, timeout=60.0))
     cause = RuntimeError("replica 3 died")
     threading.Timer(0.05, master.abort, args=(cause,)).start()
-    start = time.monotonic()
     runner.join(JOIN)
-    assert time.monotonic() - start < JOIN
     assert set(runner.errors) == {0, 4, 5}
     assert all(isinstance(e, SyncAbortedError) and e.__cause__ is cause for e in runner.errors.values())
     master.abort(ValueError("second"))  # idempotent: the first error wins

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 
 import pytest
 import torch
@@ -86,13 +85,17 @@ def test_replica_error_on_gpu_does_not_hang() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if x.device.index == 1:
                 raise KeyError("replica on cuda:1 failed")
-            return self.bn(x)
+            try:
+                return self.bn(x)  # type: ignore[no-any-return]
+            except Exception as exc:
+                seen.append(type(exc).__name__)
+                raise
 
+    seen: list[str] = []
     dp = _patched_dp(FailOnSecond(), [0, 1])
-    start = time.monotonic()
     with pytest.raises(KeyError, match=r"cuda:1 failed"):
         dp(torch.randn(8, 3, 2, 2, device="cuda:0"))
-    assert time.monotonic() - start < 30.0
+    assert seen == ["SyncAbortedError"]  # the peer on cuda:0 was released by the abort, not the 60 s timeout
 
 
 def test_matches_torch_sync_batch_norm_under_ddp() -> None:

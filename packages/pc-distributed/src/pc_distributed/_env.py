@@ -38,9 +38,17 @@ class WorldSpec:
     host: str | None = None
     port: int | None = None
 
+    def serves_store(self) -> bool:
+        """True when this rank serves the store itself on ``host`` (rank 0, no agent, an address we built)."""
+        return self.rank == 0 and not self.agent_store and self.host is not None
+
     def serves_loopback(self) -> bool:
-        """True when this rank must serve the store itself on a loopback address (rank 0, no agent)."""
-        return self.rank == 0 and not self.agent_store and self.host is not None and is_loopback(self.host)
+        """True when this rank serves the store itself on a loopback address."""
+        return self.serves_store() and self.host is not None and is_loopback(self.host)
+
+    def on_loopback(self) -> bool:
+        """True when the world meets on a loopback address (so it is a one-host world)."""
+        return self.host is not None and is_loopback(self.host)
 
 
 def is_loopback(host: str) -> bool:
@@ -83,6 +91,7 @@ def resolve_world_spec(
     dist_init_method: str | None,
     rpc_init_method: str | None,
     env: Mapping[str, str] | None = None,
+    addr: str | None = None,
 ) -> WorldSpec:
     """Resolve rank, size and init methods: argument, then the torchrun environment, then loopback.
 
@@ -92,13 +101,15 @@ def resolve_world_spec(
         dist_init_method: Explicit init method for the store and process group, or None.
         rpc_init_method: Explicit init method for RPC, or None (then the same store as ``dist_init_method``).
         env: Environment to read (default ``os.environ``).
+        addr: The rendezvous address (host name or IP), before ``MASTER_ADDR``; not with ``dist_init_method``.
 
     Returns:
         The resolved :class:`WorldSpec`.
 
     Raises:
         TypeError: If rank or world_size is not an int.
-        ValueError: If they are out of range, or a multi-process world has no address to meet at.
+        ValueError: If they are out of range, a multi-process world has no address to meet at, or both
+            ``addr`` and ``dist_init_method`` are given.
     """
     env = os.environ if env is None else env
     for label, value in (("rank", rank), ("world_size", world_size)):
@@ -116,12 +127,16 @@ def resolve_world_spec(
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     host: str | None = None
     port: int | None = None
+    if addr is not None and (not isinstance(addr, str) or not addr):
+        raise TypeError(f"addr must be a non-empty str (a host name or an IP address), got {addr!r}")
+    if addr is not None and dist_init_method is not None:
+        raise ValueError(f"pass addr ({addr!r}) or dist_init_method ({dist_init_method!r}), not both")
     if dist_init_method is not None:
         if not isinstance(dist_init_method, str):
             raise TypeError(f"dist_init_method must be a str or None, got {type(dist_init_method).__name__}")
         dist_url = dist_init_method
     else:
-        host = env.get("MASTER_ADDR") or "127.0.0.1"
+        host = addr or env.get("MASTER_ADDR") or "127.0.0.1"
         port = _env_int(env, "MASTER_PORT")
         if port is None:
             if world_size > 1:

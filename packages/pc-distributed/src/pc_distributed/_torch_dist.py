@@ -10,17 +10,22 @@ import logging
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+
+from pc_distributed._bounded import WAIT_GRACE, call_bounded
 
 __all__ = [
     "Store",
     "destroy_pg",
     "init_pg",
     "master_store",
+    "new_group",
     "open_store",
     "prefix_store",
     "shutdown_rpc",
@@ -102,10 +107,41 @@ def store_client(store: Any, timeout: float) -> Any | None:
     )
 
 
+def _bounded_here(fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    """:func:`call_bounded` with the caller's current CUDA device (a per-thread setting) on the helper thread.
+
+    torch's own store requests in ``init_process_group``, ``new_group`` and RPC's start-up (gloo's and
+    TensorPipe's rendezvous) have no deadline against a silent store; this bounds them. On a timeout the
+    process's torch.distributed state may be half-made: stop the World (or the process).
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        device = torch.cuda.current_device()
+        inner = fn
+
+        def fn() -> Any:
+            torch.cuda.set_device(device)
+            return inner()
+
+    return call_bounded(fn, timeout + WAIT_GRACE, what)
+
+
 def init_pg(store: Any, backend: str, rank: int, world_size: int, timeout: float) -> None:
-    """Create the default process group on ``store``."""
-    dist.init_process_group(
-        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+    """Create the default process group on ``store``, within ``timeout`` (plus ``WAIT_GRACE``) seconds."""
+    _bounded_here(
+        lambda: dist.init_process_group(
+            backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        ),
+        timeout,
+        f"init_process_group (rank {rank} of {world_size}, backend {backend})",
+    )
+
+
+def new_group(ranks: list[int], timeout: float, backend: str | None) -> Any:
+    """Torch's ``new_group`` (every rank of the world calls it), within ``timeout`` plus ``WAIT_GRACE`` s."""
+    return _bounded_here(
+        lambda: dist.new_group(ranks, timeout=timedelta(seconds=timeout), backend=backend),
+        timeout,
+        f"new_group({ranks})",
     )
 
 
@@ -115,16 +151,24 @@ def destroy_pg() -> None:
         dist.destroy_process_group()
 
 
-def start_rpc(name: str, rank: int, world_size: int, url: str, timeout: float) -> None:
-    """Initialise RPC with TensorPipe on ``url``."""
+def start_rpc(name: str, rank: int, world_size: int, url: str, timeout: float, start_timeout: float) -> None:
+    """Initialise RPC with TensorPipe on ``url`` (calls time out after ``timeout`` seconds by default).
+
+    The start-up (RPC's rendezvous on the store and TensorPipe's exchange of the workers' names) must finish
+    within ``start_timeout`` plus ``WAIT_GRACE`` seconds.
+    """
     options = rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=timeout)
-    with warnings.catch_warnings():
-        # torch's own TensorPipe start-up gathers the worker names over a Backend it builds itself and then
-        # warns about that deprecated use of its own API; nothing the caller can act on.
-        warnings.filterwarnings(
-            "ignore", message=r"You are using a Backend .* as a ProcessGroup", category=UserWarning
-        )
-        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)  # type: ignore[no-untyped-call]
+
+    def start() -> None:
+        with warnings.catch_warnings():
+            # torch's own TensorPipe start-up gathers the worker names over a Backend it builds itself and
+            # then warns about that deprecated use of its own API; nothing the caller can act on.
+            warnings.filterwarnings(
+                "ignore", message=r"You are using a Backend .* as a ProcessGroup", category=UserWarning
+            )
+            rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)  # type: ignore[no-untyped-call]
+
+    _bounded_here(start, start_timeout, f"RPC start-up of {name!r} on {url}")
 
 
 def shutdown_rpc(graceful: bool, timeout: float) -> None:

@@ -21,22 +21,21 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pc_distributed._transport import check_timeout
+from pc_distributed.daso_exchange import Exchange, complete_exchange, flatten, staleness_merge, start_exchange
 from pc_distributed.daso_schedule import PlateauDetector, SkipState, next_skips, phase_of
 from pc_distributed.daso_topology import DasoTopology, build_topology, default_local_size
 from pc_distributed.dp_comm import (
     CommLike,
-    broadcast_tensors,
     group_size,
     resolve_group,
     to_timedelta,
-    wait_work,
 )
 
 __all__ = ["DASO", "staleness_merge"]
@@ -44,17 +43,6 @@ __all__ = ["DASO", "staleness_merge"]
 logger = logging.getLogger(__name__)
 
 _DOWNCAST_TYPES = (torch.bfloat16, torch.half, torch.float)
-
-
-@dataclass
-class _Exchange:
-    """One global exchange in flight."""
-
-    due: int
-    staleness: int
-    sender: int
-    payload: torch.Tensor | None = None
-    works: list[Any] = field(default_factory=list)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -151,8 +139,7 @@ class DASO:
         for name, flag in (("use_mpi_groups", use_mpi_groups), ("verbose", verbose)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be None or > 0 seconds, got {timeout!r}")
+        timeout = check_timeout(timeout)  # the package's convention: None (or -1) is the group's timeout
         group = resolve_group(comm)
         if group_size(group) != dist.get_world_size():
             raise ValueError(
@@ -235,7 +222,7 @@ class DASO:
         self.epoch = 0
         self.current_batch = 0
         self._send_mod = 0
-        self._pending: deque[_Exchange] = deque()
+        self._pending: deque[Exchange] = deque()
         self.stability.reset()
         gs, ls, btw = next_skips(SkipState(0, 0, 0), 0, False, **self._schedule_kwargs())
         self.global_skip, self.local_skip, self.batches_to_wait = gs, ls, btw
@@ -310,33 +297,26 @@ class DASO:
         self.current_batch += 1
 
     def _flat(self) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in self._tensors])
+        return flatten(self._tensors)
 
-    def _start(self, due: int, staleness: int) -> _Exchange:
-        exchange = _Exchange(due=due, staleness=staleness, sender=self._send_mod)
+    def _start(self, due: int, staleness: int) -> Exchange:
+        sender = self._send_mod
         self._send_mod = (self._send_mod + 1) % self.topology.local_size
-        if self.topology.local_rank == exchange.sender:
-            payload = (self._flat() - self._ref).to(self.cast_dtype)
-            exchange.payload = payload
-            for chunk in torch.split(payload, self.sending_chunk_size):
-                exchange.works.append(dist.all_reduce(chunk, group=self.topology.column_group, async_op=True))
-        return exchange
+        return start_exchange(
+            self._tensors,
+            self._ref,
+            due,
+            staleness,
+            sender,
+            self.topology,
+            self.cast_dtype,
+            self.sending_chunk_size,
+        )
 
-    def _complete(self, exchange: _Exchange) -> None:
-        if exchange.payload is not None:
-            for work in exchange.works:
-                wait_work(work, self.timeout)
-            nodes = self.topology.nodes
-            total = exchange.payload.to(torch.float32) + nodes * self._ref
-            merged = staleness_merge(self._flat(), total, exchange.staleness, nodes)
-            offset = 0
-            for t in self._tensors:
-                n = t.numel()
-                t.copy_(merged[offset : offset + n].view_as(t))
-                offset += n
-        broadcast_tensors(self._tensors, self.topology.local_group, src_group_rank=exchange.sender)
-        if exchange.staleness == 0:
-            self._ref = self._flat()
+    def _complete(self, exchange: Exchange) -> None:
+        ref = complete_exchange(exchange, self._tensors, self._ref, self.topology, self.timeout)
+        if ref is not None:
+            self._ref = ref
 
     # ---------------------------------------------------------------------------------------- per epoch
     @torch.no_grad()
@@ -375,29 +355,6 @@ class DASO:
         """Log ``args`` at INFO level on global rank 0 when ``verbose`` is set (heat printed them)."""
         if self.verbose and dist.get_rank() == 0:
             logger.info(" ".join(str(a) for a in args))
-
-
-def staleness_merge(local: torch.Tensor, total: torch.Tensor, staleness: int, nodes: int) -> torch.Tensor:
-    """DASO's merge of stale global sums into the current local parameters.
-
-    ``(2S * local + total) / (2S + P)``: the sum over the ``P`` nodes of parameters sent ``S`` batches ago is
-    weighted against the local parameters, which are worth ``2S`` nodes' data. ``S = 0`` is the plain average.
-
-    Args:
-        local: This rank's current parameters (float32).
-        total: The sum over nodes of the parameters that were sent (float32).
-        staleness: ``S``, batches between sending and merging.
-        nodes: ``P``, the number of nodes.
-
-    Returns:
-        The merged parameters.
-
-    Examples:
-        >>> staleness_merge(torch.tensor([1.0]), torch.tensor([4.0]), staleness=1, nodes=2)
-        tensor([1.5000])
-    """
-    weight = 2.0 * staleness
-    return (weight * local + total) / (weight + nodes)
 
 
 def _optimizer_device(optimizer: torch.optim.Optimizer) -> torch.device:

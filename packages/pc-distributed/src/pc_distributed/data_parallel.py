@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pc_distributed._transport import check_timeout
 from pc_distributed.dp_buckets import GradReducer, make_buckets
 from pc_distributed.dp_comm import CommLike, broadcast_tensors, check_replicas, resolve_group, to_timedelta
 from pc_distributed.dp_optimizer import DataParallelOptimizer
@@ -149,8 +150,7 @@ class DataParallel(nn.Module):
             )
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be None or > 0 seconds, got {timeout!r}")
+        timeout = check_timeout(timeout)  # the package's convention: None (or -1) is the group's timeout
         optimizers = _as_optimizer_list(optimizer)
         group = resolve_group(comm)
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pc_distributed._remote import MissingOnOwner, unwrap
+from pc_distributed._transport import check_timeout, transport_error
 
 __all__ = ["RemoteRef"]
 
@@ -29,22 +30,21 @@ class RemoteRef:
         self._owner_name = owner_name
         self._on_missing = on_missing
 
-    def to_here(self, timeout: float = -1) -> Any:
+    def to_here(self, timeout: float | None = None) -> Any:
         """Fetch a copy of the value (also when called on the owner).
 
         Args:
-            timeout: Seconds (-1: the world's ``rpc_timeout``).
+            timeout: Seconds (None or -1: the World's ``rpc_timeout``).
 
         Raises:
             KeyError: If the owner no longer holds the paired value or service.
             TimeoutError: If the value did not arrive in time.
             Exception: The remote exception, original type, remote traceback as ``__cause__``.
         """
-        from pc_distributed._rpc_util import transport_error
-
+        seconds = check_timeout(timeout)
         try:
-            envelope = self.rref.to_here(timeout) if timeout != -1 else self.rref.to_here()
-        except RuntimeError as exc:
+            envelope = self.rref.to_here() if seconds is None else self.rref.to_here(seconds)
+        except (RuntimeError, OSError) as exc:
             raise transport_error(exc, self._owner_name, "to_here") from exc
         try:
             return unwrap(envelope, f"process {self._owner_name!r}", copy_value=self.rref.is_owner())

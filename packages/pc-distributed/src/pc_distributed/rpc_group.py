@@ -1,42 +1,34 @@
 """RpcGroup: named RPC members with a single-owner directory of paired values and registered services.
 
-The directory lives in the world's store: ``rg/<group>/dir/<kind>/<repr(key)>`` holds the owner's name, set
-with an atomic compare-and-set (the first writer wins). The value or service itself lives only in the owner's
-locked local table (``_remote``). Callers cache ``key -> owner``, so a ``registered_sync`` on the hot path is
-one RPC; an owner that lost the key answers "missing", and the caller looks up again and retries once.
+A live group holds the World it was created by (given at creation) and, through it, the store of its
+directory (``_rpc_directory``). The value or service itself lives only in the owner's locked local table
+(``_remote``). A call to a service is one RPC when the owner is cached; an owner that lost the key answers
+"missing", and the caller looks up again and retries once (one path, :meth:`RpcGroup._call_owner`, for the
+synchronous and the asynchronous call).
 
 Keys may be any value whose ``repr`` is the same in every process (strings, ints, tuples of those).
+Timeouts follow the package's convention (``_transport``): ``None`` (or the seed's ``-1``) is the World's
+``rpc_timeout``.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 
 from pc_distributed import _remote
-from pc_distributed._remote import MissingOnOwner, unwrap
-from pc_distributed._rpc_util import (
-    SERVICE,
-    VALUE,
-    chain_future,
-    check_call_args,
-    check_timeout,
-    claim_entry,
-    join_group,
-    release_entry,
-    transport_error,
-    with_cause,
-)
-from pc_distributed._store import lookup, release, store_barrier
+from pc_distributed._host import GroupHost, current_world
+from pc_distributed._remote import SERVICE, VALUE, unwrap
+from pc_distributed._rpc_calls import call_owner, invoke
+from pc_distributed._rpc_directory import Directory
+from pc_distributed._rpc_join import check_group_args, join_group
+from pc_distributed._store import store_barrier
+from pc_distributed._transport import chain_future, check_call_args, resolve_timeout
 from pc_distributed.remote_ref import RemoteRef
-from pc_distributed.world import get_world
-
-if TYPE_CHECKING:
-    from pc_distributed.world import World
 
 __all__ = ["RpcGroup", "create_rpc_group"]
 
@@ -52,28 +44,45 @@ class RpcGroup:
         group_name: Name of the group.
         group_members: Member names.
         first_create: True for the live group of a member (made by ``create_rpc_group``), False for a handle.
+        world: The World the group belongs to (default: this process's World, looked up when first needed).
+        instance: How many groups of this name this process created before (scopes the barrier's keys).
     """
 
-    def __init__(self, group_name: str, group_members: Sequence[str], first_create: bool = True) -> None:
+    def __init__(
+        self,
+        group_name: str,
+        group_members: Sequence[str],
+        first_create: bool = True,
+        *,
+        world: GroupHost | None = None,
+        instance: int = 0,
+    ) -> None:
         self.group_name = group_name
         self.group_members = sorted(group_members)
         self.destroyed = False
         self._live = bool(first_create)
-        self._instance = 0
+        self._host = world
+        self._instance = instance
         self._barrier_gen = 0
         self._barrier_lock = threading.Lock()
-        self._cache: dict[tuple[str, str], str] = {}
+        self._directory: Directory | None = None
         self._tables = _remote.install_tables(group_name) if first_create else None
 
     # -- plumbing ---
-    def _world(self) -> World:
-        world = get_world()
-        if world is None:
-            raise RuntimeError(f"RpcGroup {self.group_name!r}: no World in this process")
-        return world
+    def _world(self) -> GroupHost:
+        if self._host is None:  # a group made by hand, or unpickled before this process had a World
+            self._host = current_world()
+            if self._host is None:
+                raise RuntimeError(f"RpcGroup {self.group_name!r}: no World in this process")
+        return self._host
 
-    def _dir_key(self, kind: str, ktext: str) -> str:
-        return f"rg/{self.group_name}/dir/{kind}/{ktext}"
+    def _dir(self) -> Directory:
+        if self._directory is None:
+            self._directory = Directory(self._world(), self.group_name)
+        return self._directory
+
+    def _seconds(self, timeout: float | None) -> float:
+        return resolve_timeout(timeout, self._world().rpc_timeout)
 
     def _local(self, what: str) -> _remote.GroupTables:
         if self.destroyed:
@@ -81,23 +90,9 @@ class RpcGroup:
         if not self._live or self._tables is None:
             raise RuntimeError(
                 f"{what} needs the live group: create RpcGroup {self.group_name!r} with "
-                "World.create_rpc_group "
-                "in this process (this is a handle)"
+                "World.create_rpc_group in this process (this is a handle)"
             )
         return self._tables
-
-    def _owner(self, kind: str, ktext: str, refresh: bool) -> str | None:
-        ck = (kind, ktext)
-        if not refresh:
-            owner = self._cache.get(ck)
-            if owner is not None:
-                return owner
-        owner = lookup(self._world().store, self._dir_key(kind, ktext))
-        if owner is None:
-            self._cache.pop(ck, None)
-        else:
-            self._cache[ck] = owner
-        return owner
 
     def _not_found(self, kind: str, key: Any) -> KeyError:
         label = "Service" if kind == SERVICE else "Value"
@@ -117,12 +112,21 @@ class RpcGroup:
     ) -> Any:
         if self.destroyed:
             raise RuntimeError(f"RpcGroup {self.group_name!r} has been destroyed")
-        if not self._world().init_rpc:
-            raise RuntimeError("RPC calls need a World created with init_rpc=True")
-        try:
-            return method(to, func, args=args, timeout=timeout)
-        except RuntimeError as exc:
-            raise transport_error(exc, to, method.__name__) from exc
+        return invoke(self._world(), method, to, func, args, timeout)
+
+    def _call_owner(
+        self, key: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, timeout: float | None
+    ) -> torch.futures.Future[Any]:
+        """The one path of :meth:`registered_sync` and :meth:`registered_async` (see ``_rpc_calls``)."""
+        call_args, call_kwargs = check_call_args(args, kwargs)
+        seconds = self._seconds(timeout)
+        ktext = repr(key)
+        payload = (self.group_name, ktext, call_args, call_kwargs)
+        return call_owner(
+            lambda refresh: self._dir().owner(SERVICE, ktext, refresh),
+            lambda owner: self._invoke(rpc.rpc_async, owner, _remote.call_service, payload, seconds),
+            lambda: self._not_found(SERVICE, key),
+        )
 
     # -- pairing ---
     def pair(self, key: Any, value: Any) -> None:
@@ -131,7 +135,9 @@ class RpcGroup:
         Raises:
             KeyError: If ``key`` is already paired (by any member).
         """
-        self._claim(VALUE, key, value, f'Value with key "{key}" already paired to Group [{self.group_name}]')
+        tables = self._local("pair")
+        taken = f'Value with key "{key}" already paired to Group [{self.group_name}]'
+        self._dir().claim(tables, VALUE, repr(key), value, taken)
 
     def unpair(self, key: Any) -> None:
         """Unpair ``key``; only its owner may.
@@ -139,15 +145,16 @@ class RpcGroup:
         Raises:
             KeyError: If this process did not pair ``key``.
         """
+        tables = self._local("unpair")
         msg = (
             f'Value with key "{key}" not paired to Group [{self.group_name}] '
             f"on Process[{self.get_cur_name()}]"
         )
-        self._release(VALUE, key, msg)
+        self._dir().release(tables, VALUE, repr(key), msg)
 
     def is_paired(self, key: Any) -> bool:
         """Whether ``key`` is paired in this group (asks the directory)."""
-        return self._owner(VALUE, repr(key), refresh=True) is not None
+        return self._dir().owner(VALUE, repr(key), refresh=True) is not None
 
     def get_paired(self, key: Any) -> RemoteRef:
         """A reference to the value paired to ``key``; ``to_here()`` returns a copy.
@@ -156,10 +163,11 @@ class RpcGroup:
             KeyError: If ``key`` is not paired.
         """
         ktext = repr(key)
-        owner = self._owner(VALUE, ktext, refresh=True)
+        owner = self._dir().owner(VALUE, ktext, refresh=True)
         if owner is None:
             raise self._not_found(VALUE, key)
-        rref = self._invoke(rpc.remote, owner, _remote.paired_value, (self.group_name, ktext), -1)
+        payload = (self.group_name, ktext)
+        rref = self._invoke(rpc.remote, owner, _remote.paired_value, payload, self._seconds(None))
         return RemoteRef(rref, owner, lambda: self._not_found(VALUE, key))
 
     # -- services ---
@@ -172,12 +180,9 @@ class RpcGroup:
         """
         if not callable(service):
             raise TypeError(f"service must be callable, got {type(service).__name__}")
-        self._claim(
-            SERVICE,
-            key,
-            service,
-            f'Service with key "{key}" already registered in Group [{self.group_name}]',
-        )
+        tables = self._local("register")
+        taken = f'Service with key "{key}" already registered in Group [{self.group_name}]'
+        self._dir().claim(tables, SERVICE, repr(key), service, taken)
 
     def deregister(self, key: Any) -> None:
         """Deregister ``key``; only its owner may.
@@ -185,18 +190,23 @@ class RpcGroup:
         Raises:
             KeyError: If this process did not register ``key``.
         """
+        tables = self._local("deregister")
         msg = (
             f'Service with key "{key}" not registered in Group [{self.group_name}] '
             f"on Process[{self.get_cur_name()}]"
         )
-        self._release(SERVICE, key, msg)
+        self._dir().release(tables, SERVICE, repr(key), msg)
 
     def is_registered(self, key: Any) -> bool:
         """Whether a service is registered under ``key`` (asks the directory)."""
-        return self._owner(SERVICE, repr(key), refresh=True) is not None
+        return self._dir().owner(SERVICE, repr(key), refresh=True) is not None
 
     def registered_sync(
-        self, key: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, timeout: float = -1
+        self,
+        key: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
     ) -> Any:
         """Call the service ``key`` on its owner and return its result (one RPC when the owner is cached).
 
@@ -204,7 +214,7 @@ class RpcGroup:
             key: Key of the registered service.
             args: Positional arguments.
             kwargs: Keyword arguments.
-            timeout: Seconds (-1: the world's ``rpc_timeout``).
+            timeout: Seconds of each attempt (None or -1: the World's ``rpc_timeout``).
 
         Raises:
             KeyError: If no service is registered under ``key``.
@@ -212,77 +222,28 @@ class RpcGroup:
             ConnectionError: If the owner is unreachable (e.g. dead).
             Exception: The service's exception, original type, remote traceback as ``__cause__``.
         """
-        call_args, call_kwargs = check_call_args(args, kwargs)
-        timeout = check_timeout(timeout)
-        ktext = repr(key)
-        for refresh in (False, True):
-            owner = self._owner(SERVICE, ktext, refresh)
-            if owner is None:
-                break
-            envelope = self._invoke(
-                rpc.rpc_sync,
-                owner,
-                _remote.call_service,
-                (self.group_name, ktext, call_args, call_kwargs),
-                timeout,
-            )
-            try:
-                return unwrap(envelope, f"process {owner!r}")
-            except MissingOnOwner:
-                continue
-        raise self._not_found(SERVICE, key)
+        return self._call_owner(key, args, kwargs, timeout).wait()
 
     def registered_async(
-        self, key: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, timeout: float = -1
+        self,
+        key: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
     ) -> torch.futures.Future[Any]:
         """Call the service ``key`` asynchronously; ``wait()`` on the future returns its result or raises.
 
-        Errors are those of :meth:`registered_sync`, raised by ``wait()``.
+        Errors are those of :meth:`registered_sync`, raised by ``wait()``; the future completes within the
+        timeout of each attempt (a dead owner ends it with ``ConnectionError`` or ``TimeoutError``).
         """
-        call_args, call_kwargs = check_call_args(args, kwargs)
-        timeout = check_timeout(timeout)
-        ktext = repr(key)
-        out: torch.futures.Future[Any] = torch.futures.Future()
-
-        def attempt(refresh: bool) -> None:
-            owner = self._owner(SERVICE, ktext, refresh)
-            if owner is None:
-                out.set_exception(self._not_found(SERVICE, key))
-                return
-            raw = self._invoke(
-                rpc.rpc_async,
-                owner,
-                _remote.call_service,
-                (self.group_name, ktext, call_args, call_kwargs),
-                timeout,
-            )
-
-            def done(fut: torch.futures.Future[Any]) -> None:
-                try:
-                    envelope = fut.wait()
-                except RuntimeError as exc:
-                    out.set_exception(with_cause(transport_error(exc, owner, "rpc_async"), exc))
-                    return
-                try:
-                    out.set_result(unwrap(envelope, f"process {owner!r}"))
-                except MissingOnOwner:
-                    if refresh:
-                        out.set_exception(self._not_found(SERVICE, key))
-                    else:
-                        try:
-                            attempt(True)
-                        except Exception as exc:
-                            out.set_exception(exc)
-                except Exception as exc:
-                    out.set_exception(exc)
-
-            raw.add_done_callback(done)
-
-        attempt(False)
-        return out
+        return self._call_owner(key, args, kwargs, timeout)
 
     def registered_remote(
-        self, key: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, timeout: float = -1
+        self,
+        key: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
     ) -> RemoteRef:
         """Run the service ``key`` on its owner; return a :class:`RemoteRef` to the result.
 
@@ -291,14 +252,13 @@ class RpcGroup:
                 owner dropped it meanwhile).
         """
         call_args, call_kwargs = check_call_args(args, kwargs)
-        timeout = check_timeout(timeout)
+        seconds = self._seconds(timeout)
         ktext = repr(key)
-        owner = self._owner(SERVICE, ktext, refresh=True)
+        owner = self._dir().owner(SERVICE, ktext, refresh=True)
         if owner is None:
             raise self._not_found(SERVICE, key)
-        rref = self._invoke(
-            rpc.remote, owner, _remote.call_service, (self.group_name, ktext, call_args, call_kwargs), timeout
-        )
+        payload = (self.group_name, ktext, call_args, call_kwargs)
+        rref = self._invoke(rpc.remote, owner, _remote.call_service, payload, seconds)
         return RemoteRef(rref, owner, lambda: self._not_found(SERVICE, key))
 
     # -- plain calls ---
@@ -306,7 +266,7 @@ class RpcGroup:
         self,
         to: str,
         func: Callable[..., Any],
-        timeout: float = -1,
+        timeout: float | None = None,
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
@@ -316,47 +276,45 @@ class RpcGroup:
 
         Raises:
             ValueError: If ``to`` is not a member.
-            TimeoutError: If ``to`` did not answer within ``timeout`` (-1: the world's ``rpc_timeout``).
+            TimeoutError: If ``to`` did not answer within ``timeout`` (None or -1: the World's
+                ``rpc_timeout``).
             ConnectionError: If ``to`` is unreachable.
             Exception: ``func``'s exception, original type, remote traceback as ``__cause__``.
         """
         to = self._check_target(to)
         call_args, call_kwargs = check_call_args(args, kwargs)
-        envelope = self._invoke(
-            rpc.rpc_sync, to, _remote.call_func, (func, call_args, call_kwargs), check_timeout(timeout)
-        )
+        payload = (func, call_args, call_kwargs)
+        envelope = self._invoke(rpc.rpc_sync, to, _remote.call_func, payload, self._seconds(timeout))
         return unwrap(envelope, f"process {to!r}")
 
     def rpc_async(
         self,
         to: str,
         func: Callable[..., Any],
-        timeout: float = -1,
+        timeout: float | None = None,
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> torch.futures.Future[Any]:
         """Run ``func`` on member ``to`` asynchronously; ``wait()`` returns the result or raises."""
         to = self._check_target(to)
         call_args, call_kwargs = check_call_args(args, kwargs)
-        raw = self._invoke(
-            rpc.rpc_async, to, _remote.call_func, (func, call_args, call_kwargs), check_timeout(timeout)
-        )
+        payload = (func, call_args, call_kwargs)
+        raw = self._invoke(rpc.rpc_async, to, _remote.call_func, payload, self._seconds(timeout))
         return chain_future(raw, to, lambda envelope: unwrap(envelope, f"process {to!r}"))
 
     def remote(
         self,
         to: str,
         func: Callable[..., Any],
-        timeout: float = -1,
+        timeout: float | None = None,
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> RemoteRef:
         """Run ``func`` on member ``to``; return a :class:`RemoteRef` to the result (owned by ``to``)."""
         to = self._check_target(to)
         call_args, call_kwargs = check_call_args(args, kwargs)
-        rref = self._invoke(
-            rpc.remote, to, _remote.call_func, (func, call_args, call_kwargs), check_timeout(timeout)
-        )
+        payload = (func, call_args, call_kwargs)
+        rref = self._invoke(rpc.remote, to, _remote.call_func, payload, self._seconds(timeout))
         return RemoteRef(rref, to, lambda: KeyError(f"result not found on {to!r}"))
 
     # -- membership ---
@@ -367,14 +325,14 @@ class RpcGroup:
         looking up and registering meanwhile.
 
         Args:
-            timeout: Seconds (default: the world's ``rpc_timeout``).
+            timeout: Seconds (None or -1: the World's ``rpc_timeout``).
 
         Raises:
             TimeoutError: Naming the members that did not arrive.
         """
         self._local("barrier")
         world = self._world()
-        limit = world.rpc_timeout if timeout is None else check_timeout(timeout)
+        limit = self._seconds(timeout)
         with self._barrier_lock:
             gen = self._barrier_gen
             self._barrier_gen += 1
@@ -389,14 +347,11 @@ class RpcGroup:
         if not self._live:
             return
         tables = _remote.drop_tables(self.group_name)
-        world = get_world()
-        if world is not None:
-            world.groups.pop(self.group_name, None)
-            if tables is not None:
-                with tables.lock:
-                    entries = [(VALUE, k) for k in tables.values] + [(SERVICE, k) for k in tables.services]
-                for kind, ktext in entries:
-                    release(world.store, self._dir_key(kind, ktext), world.name)
+        if self._host is None and current_world() is None:
+            return
+        self._world().detach_rpc_group(self.group_name, self)
+        if tables is not None:
+            self._dir().release_all(tables)
 
     def size(self) -> int:
         """Number of members."""
@@ -418,19 +373,6 @@ class RpcGroup:
         """This process's member name."""
         return self._world().name
 
-    # -- directory helpers ---
-    def _claim(self, kind: str, key: Any, obj: Any, taken: str) -> None:
-        tables, world = self._local("pair" if kind == VALUE else "register"), self._world()
-        ktext = repr(key)
-        claim_entry(tables, kind, ktext, obj, world.store, self._dir_key(kind, ktext), world.name, taken)
-        self._cache[(kind, ktext)] = world.name
-
-    def _release(self, kind: str, key: Any, not_owner: str) -> None:
-        tables, world = self._local("unpair" if kind == VALUE else "deregister"), self._world()
-        ktext = repr(key)
-        release_entry(tables, kind, ktext, world.store, self._dir_key(kind, ktext), world.name, not_owner)
-        self._cache.pop((kind, ktext), None)
-
     def __reduce__(self) -> tuple[Callable[..., RpcGroup], tuple[str, list[str]]]:
         return _rebuild_rpc_group, (self.group_name, list(self.group_members))
 
@@ -439,18 +381,19 @@ class RpcGroup:
 
 
 def _rebuild_rpc_group(group_name: str, members: list[str]) -> RpcGroup:
-    world = get_world()
+    """Unpickle a group: the live group of this process if it has one, else a handle on its World."""
+    world = current_world()
     if world is not None:
-        live = world.groups.get(group_name)
+        live = world.get_rpc_group(group_name)
         if live is not None and not live.destroyed:
-            return live
-    return RpcGroup(group_name, members, first_create=False)
+            return live  # type: ignore[no-any-return]
+    return RpcGroup(group_name, members, first_create=False, world=world)
 
 
-def create_rpc_group(world: World, group_name: str, members: Sequence[str], timeout: float) -> RpcGroup:
+def create_rpc_group(world: GroupHost, group_name: str, members: Sequence[str], timeout: float) -> RpcGroup:
     """Join RPC group ``group_name``: check the members agree through the store, then build the live group."""
-    names, instance = join_group(world, group_name, members, timeout)
-    group = RpcGroup(group_name, names, first_create=True)
-    group._instance = instance
-    world.groups[group_name] = group
+    names = check_group_args(world, group_name, members)
+    instance = join_group(world, group_name, names, timeout)
+    group = RpcGroup(group_name, names, first_create=True, world=world, instance=instance)
+    world.attach_rpc_group(group_name, group)
     return group

@@ -1,56 +1,41 @@
 """The per-process :class:`World`: a named member of a process group and an RPC network, plus its accessors.
 
 Construction is transactional (store, then process group, then RPC; a failure undoes what was done, in
-reverse). The store (a ``TCPStore`` served by rank 0, by torchrun's agent or by
+reverse); the bounded start lives in ``_rendezvous``, the bounded store part of :meth:`World.stop` in
+``_stop``. The store (a ``TCPStore`` served by rank 0, by torchrun's agent or by
 :func:`~pc_distributed.run_world`) also holds the rank/name table, the RPC groups' directories and every
 barrier. A TCPStore client runs one request at a time, so the World keeps three kinds of connection to it:
 ``store`` for short requests (look-ups, claims, arrivals), ``waits`` (one connection per blocking wait, see
 ``_store_waits``) and one of the process group's own; no thread's wait ever stalls another thread's request.
+
+The World holds its groups and hands itself to them at creation (they see it through the ``GroupHost``
+protocol of ``_host`` and never import this module). Timeouts follow the package's convention
+(``_transport``): ``None`` is the World's default, ``-1`` the seed's name for it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from types import MappingProxyType
+from typing import Any, NoReturn
 
 from pc_distributed import _torch_dist
-from pc_distributed._bounded import BoundedStore, call_bounded
-from pc_distributed._env import WorldSpec, check_name, resolve_world_spec
-from pc_distributed._store import store_barrier, wait_keys
+from pc_distributed._bounded import BoundedStore
+from pc_distributed._env import check_name, resolve_world_spec
+from pc_distributed._host import clear_world, current_world, install_world
+from pc_distributed._interfaces import InterfaceEnv, check_interface
+from pc_distributed._rendezvous import Connection, connect, publish_name
+from pc_distributed._stop import STOP_STORE_MARGIN, leave_store
 from pc_distributed._store_waits import WaitStores
+from pc_distributed._transport import positive_seconds, resolve_timeout
+from pc_distributed.collective import CollectiveGroup, create_collective_group
+from pc_distributed.rpc_group import RpcGroup, create_rpc_group
 
-if TYPE_CHECKING:
-    from pc_distributed.collective import CollectiveGroup
-    from pc_distributed.rpc_group import RpcGroup
-
-__all__ = ["World", "get_cur_name", "get_cur_rank", "get_world", "is_world_initialized"]
+__all__ = ["STOP_STORE_MARGIN", "World", "get_cur_name", "get_cur_rank", "get_world", "is_world_initialized"]
 
 logger = logging.getLogger(__name__)
-
-_WORLD: World | None = None
-_WORLD_LOCK = threading.Lock()
-_PREFIX = "pc_distributed"
-_EPOCH = 0
-# Seconds World.stop gives its store requests beyond its own barrier timeout before it leaves without them.
-STOP_STORE_MARGIN = 2.0
-
-
-def _next_epoch() -> int:
-    global _EPOCH
-    _EPOCH += 1
-    return _EPOCH
-
-
-def _positive(label: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{label} must be a number of seconds, got {type(value).__name__} {value!r}")
-    if not value > 0:
-        raise ValueError(f"{label} must be > 0 seconds, got {value!r}")
-    return float(value)
 
 
 class World:
@@ -73,12 +58,20 @@ class World:
         rpc_init_method: Init method URL of RPC (default: the same store, which is multi-tenant).
         dist_timeout: Seconds for the rendezvous, the store and every collective of the default group.
         rpc_timeout: Default seconds of each RPC and of :meth:`stop`.
+        addr: The rendezvous address (host name or IP; default ``MASTER_ADDR``, else ``127.0.0.1``). A rank
+            0 that serves the store binds exactly this address (``0.0.0.0`` only when given), never all
+            interfaces by default. Not together with ``dist_init_method``.
+        interface: The network interface gloo and TensorPipe use (``GLOO_SOCKET_IFNAME`` and
+            ``TP_SOCKET_IFNAME`` for the World's lifetime). Default: the variables as set, else loopback when
+            ``addr`` is a loopback address.
 
     Raises:
         RuntimeError: If a World already exists in this process.
         TypeError: On arguments of the wrong type.
         ValueError: On out-of-range arguments or duplicate member names.
-        TimeoutError: If the other ranks do not join within ``dist_timeout``.
+        TimeoutError: If the rendezvous address is unreachable or silent, or the other ranks do not join,
+            within ``dist_timeout``.
+        OSError: If rank 0 cannot bind ``addr``.
 
     Examples:
         >>> world = World(name="0")  # a one-process world on a free loopback port
@@ -99,71 +92,60 @@ class World:
         rpc_init_method: str | None = None,
         dist_timeout: float = 60,
         rpc_timeout: float = 60,
+        *,
+        addr: str | None = None,
+        interface: str | None = None,
     ) -> None:
-        global _WORLD
         self.name = check_name(name)
-        self.dist_timeout = _positive("dist_timeout", dist_timeout)
-        self.rpc_timeout = _positive("rpc_timeout", rpc_timeout)
+        self.dist_timeout = positive_seconds("dist_timeout", dist_timeout)
+        self.rpc_timeout = positive_seconds("rpc_timeout", rpc_timeout)
         if not isinstance(dist_backend, str):
             raise TypeError(f"dist_backend must be a str, got {type(dist_backend).__name__}")
-        spec = resolve_world_spec(rank, world_size, dist_init_method, rpc_init_method)
-        self.rank = spec.rank
-        self.world_size = spec.world_size
+        self._interface = None if interface is None else check_interface(interface)
+        self._spec = resolve_world_spec(rank, world_size, dist_init_method, rpc_init_method, addr=addr)
+        self.rank = self._spec.rank
+        self.world_size = self._spec.world_size
         self.dist_backend = dist_backend
         self.init_dist = bool(init_dist)
         self.init_rpc = bool(init_rpc)
-        self.groups: dict[str, RpcGroup] = {}
-        self.collective_groups: list[CollectiveGroup] = []
+        self._rpc_groups: dict[str, RpcGroup] = {}
+        self._rpc_instances: dict[str, int] = {}
+        self._collective_groups: list[CollectiveGroup] = []
         self._lock = threading.RLock()
         self._cg_seq = 0
         self._stopped = False
-        with _WORLD_LOCK:
-            if _WORLD is not None:
-                raise RuntimeError("World could only be initialized once!")
-            self._start(spec)
-            _WORLD = self
+        self._conn: Connection | None = None
+        self._names: list[str] = []
+        self._rank_of: dict[str, int] = {}
+        self._ifenv: InterfaceEnv | None = None
+        install_world(self, self._start)
 
-    def _start(self, spec: WorldSpec) -> None:
+    def _start(self) -> None:
         undo: list[Any] = []
         try:
-            if spec.serves_loopback():
-                host = "127.0.0.1" if spec.host in (None, "localhost") else str(spec.host)
-                raw = _torch_dist.master_store(host, spec.port or 0, self.world_size, self.dist_timeout)
-            else:
-                # torch's client waits for the server's handshake with no deadline: a rendezvous address that
-                # accepts connections and never answers (a frozen rank 0) would block here forever.
-                raw = call_bounded(
-                    lambda: _torch_dist.open_store(
-                        spec.dist_url, self.rank, self.world_size, self.dist_timeout
-                    ),
-                    self.dist_timeout,
-                    f"World {self.name!r}: the rendezvous store at {spec.dist_url}",
-                )
-            self._raw_store = raw
+            self._ifenv = InterfaceEnv(self._interface, self._spec.on_loopback())
+            undo.append(self._ifenv.restore)
+            self._conn = connect(self._spec, self.name, self.rank, self.world_size, self.dist_timeout)
             undo.append(self._drop_store)
-            # Keys are scoped per torchrun restart and per World of this process (every rank creates its
-            # Worlds in the same order), so a store that outlives a World never shows it stale keys.
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            prefix = f"{_PREFIX}/{restart}/{_next_epoch()}"
-            # Every short request of the World's shared client is bounded by dist_timeout (torch's are not).
-            self.store = BoundedStore(
-                _torch_dist.prefix_store(prefix, raw), self.dist_timeout, f"the store of World {self.name!r}"
-            )
-            self.waits = WaitStores(raw, prefix, self.dist_timeout)
-            rpc_url = spec.rpc_url
-            port = _torch_dist.store_port(raw)
-            if rpc_url.endswith(":0") and port is not None:
-                rpc_url = f"{rpc_url[:-2]}:{port}"
-            self._publish_name()
+            self._names = publish_name(self._conn, self.name, self.rank, self.world_size, self.dist_timeout)
+            self._rank_of = {n: r for r, n in enumerate(self._names)}
             if self.init_dist:
                 # The process group's store waits (gloo's rendezvous of every new group) get their own client.
+                raw = self._conn.raw
                 pg_store = _torch_dist.store_client(raw, self.dist_timeout) or raw
                 _torch_dist.init_pg(
                     pg_store, self.dist_backend, self.rank, self.world_size, self.dist_timeout
                 )
                 undo.append(_torch_dist.destroy_pg)
             if self.init_rpc:
-                _torch_dist.start_rpc(self.name, self.rank, self.world_size, rpc_url, self.rpc_timeout)
+                _torch_dist.start_rpc(
+                    self.name,
+                    self.rank,
+                    self.world_size,
+                    self._conn.rpc_url,
+                    self.rpc_timeout,
+                    self.dist_timeout,
+                )
         except BaseException:
             for step in reversed(undo):
                 try:
@@ -172,30 +154,30 @@ class World:
                     logger.debug("undo step %r failed: %r", step, exc)
             raise
 
-    def _publish_name(self) -> None:
-        self.store.set(f"world/name/{self.rank}", self.name)
-        keys = [f"world/name/{r}" for r in range(self.world_size)]
-        wait_keys(
-            self.store,
-            self.waits,
-            keys,
-            self.dist_timeout,
-            f"World {self.name!r} waiting for the other ranks",
-        )
-        names = [self.store.get(k).decode() for k in keys]
-        if len(set(names)) != len(names):
-            raise ValueError(f"member names must be unique, got {names} (by rank)")
-        self._names = names
-        self._rank_of = {n: r for r, n in enumerate(names)}
-
     def _drop_store(self) -> None:
-        waits = self.__dict__.pop("waits", None)
-        if waits is not None:
-            waits.close()
-        store = self.__dict__.pop("store", None)
-        if store is not None:
-            store.close()
-        self.__dict__.pop("_raw_store", None)
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _connection(self) -> Connection:
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError(f"World {self.name!r} has been stopped (its store is closed)")
+        return conn
+
+    @property
+    def store(self) -> BoundedStore:
+        """The World's bounded shared store client (short requests; keys carry the World's prefix).
+
+        Raises:
+            RuntimeError: After :meth:`stop`.
+        """
+        return self._connection().store
+
+    @property
+    def waits(self) -> WaitStores:
+        """The clients for blocking store waits (one connection per wait); ``RuntimeError`` after stop."""
+        return self._connection().waits
 
     # -- accessors ---
     def get_ranks(self) -> list[int]:
@@ -227,6 +209,55 @@ class World:
             raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
         return str(self._names[rank])
 
+    @property
+    def groups(self) -> MappingProxyType[str, RpcGroup]:
+        """The live RPC groups this process created, by name (a read-only view)."""
+        return MappingProxyType(self._rpc_groups)
+
+    @property
+    def collective_groups(self) -> list[CollectiveGroup]:
+        """The collective groups this process created, in creation order (a copy)."""
+        return list(self._collective_groups)
+
+    # -- what the groups use (the GroupHost protocol of _host) ---
+    def next_rpc_group_instance(self, group_name: str) -> int:
+        """How many RPC groups named ``group_name`` this process created before (scopes their keys)."""
+        with self._lock:
+            instance = self._rpc_instances.get(group_name, 0)
+            self._rpc_instances[group_name] = instance + 1
+            return instance
+
+    def attach_rpc_group(self, group_name: str, group: RpcGroup) -> None:
+        """Record a new live RPC group (called by ``create_rpc_group``).
+
+        Raises:
+            RuntimeError: If a live group of that name exists.
+        """
+        with self._lock:
+            if group_name in self._rpc_groups:
+                raise RuntimeError(
+                    f"RpcGroup {group_name!r} already exists in this process; destroy it first"
+                )
+            self._rpc_groups[group_name] = group
+
+    def detach_rpc_group(self, group_name: str, group: RpcGroup) -> None:
+        """Forget the live RPC group ``group`` (called by its ``destroy``; idempotent)."""
+        with self._lock:
+            if self._rpc_groups.get(group_name) is group:
+                del self._rpc_groups[group_name]
+
+    def next_collective_seq(self) -> int:
+        """The sequence number of the next collective group (every rank creates them in the same order)."""
+        with self._lock:
+            seq = self._cg_seq
+            self._cg_seq += 1
+            return seq
+
+    def attach_collective_group(self, group: CollectiveGroup) -> None:
+        """Record a new collective group (it is marked destroyed when the World stops)."""
+        with self._lock:
+            self._collective_groups.append(group)
+
     def _check_alive(self) -> None:
         if self._stopped:
             raise RuntimeError(f"World {self.name!r} has been stopped")
@@ -253,12 +284,10 @@ class World:
             ValueError: If ``ranks`` is invalid or the ranks disagree on it.
             TimeoutError: Naming the ranks that did not enter within ``timeout``.
         """
-        from pc_distributed.collective import create_collective_group
-
         self._check_alive()
         if not self.init_dist:
             raise RuntimeError("create_collective_group needs a World created with init_dist=True")
-        return create_collective_group(self, ranks, _positive("timeout", timeout), backend)
+        return create_collective_group(self, ranks, positive_seconds("timeout", timeout), backend)
 
     def create_rpc_group(
         self, group_name: str, members: Sequence[str], *, timeout: float | None = None
@@ -268,7 +297,7 @@ class World:
         Args:
             group_name: Unique name of the group.
             members: Member names; must include this process.
-            timeout: Seconds to wait for the other members (default ``rpc_timeout``).
+            timeout: Seconds to wait for the other members (None or -1: ``rpc_timeout``).
 
         Returns:
             The :class:`~pc_distributed.RpcGroup`.
@@ -278,16 +307,12 @@ class World:
             ValueError: If ``members`` is invalid, lacks this process, or the members disagree on it.
             TimeoutError: Naming the members that did not join.
         """
-        from pc_distributed.rpc_group import create_rpc_group
-
         self._check_alive()
-        return create_rpc_group(
-            self, group_name, members, self.rpc_timeout if timeout is None else _positive("timeout", timeout)
-        )
+        return create_rpc_group(self, group_name, members, resolve_timeout(timeout, self.rpc_timeout))
 
     def get_rpc_group(self, group_name: str) -> RpcGroup | None:
         """The live RPC group of that name created by this process, or None."""
-        return self.groups.get(group_name)
+        return self._rpc_groups.get(group_name)
 
     # -- shutdown ---
     def stop(self, timeout: float | None = None, graceful: bool = True) -> None:
@@ -303,75 +328,31 @@ class World:
         store connection of its own.
 
         Args:
-            timeout: Seconds for the RPC shutdown (default ``rpc_timeout``).
+            timeout: Seconds for the barrier and the RPC shutdown (None or -1: ``rpc_timeout``).
             graceful: Wait for the peers' outstanding work (all ranks must call stop), else leave at once.
         """
-        global _WORLD
-        timeout = self.rpc_timeout if timeout is None else _positive("timeout", timeout)
+        timeout = resolve_timeout(timeout, self.rpc_timeout)
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
+            groups = list(self._rpc_groups.values())
         try:
-            # torch's store requests other than wait have no deadline of their own: when the store's host is
-            # partitioned away or frozen they would block until TCP gives up (~15 min), so the store part of
-            # stop runs bounded, and a store that does not answer is left behind (RPC then stops at once).
-            try:
-                graceful = call_bounded(
-                    lambda: self._leave_store(timeout, graceful),
-                    timeout + STOP_STORE_MARGIN,
-                    f"World.stop of {self.name!r}: the store",
-                )
-            except TimeoutError as exc:
-                warnings.warn(
-                    f"{exc}; leaving without it (RPC shuts down non-gracefully)", RuntimeWarning, stacklevel=2
-                )
-                graceful = False
+            conn = self._connection()
+            graceful = leave_store(
+                self.name, conn.store, conn.waits, self._names, groups, self.init_rpc, timeout, graceful
+            )
             if self.init_rpc:
                 _torch_dist.shutdown_rpc(graceful, timeout)
             if self.init_dist:
-                for cg in self.collective_groups:
+                for cg in self._collective_groups:
                     cg._forget()
                 _torch_dist.destroy_pg()
         finally:
             self._drop_store()
-            with _WORLD_LOCK:
-                if _WORLD is self:
-                    _WORLD = None
-
-    def _leave_store(self, timeout: float, graceful: bool) -> bool:
-        """The store part of :meth:`stop`: drop the RPC groups' entries, meet the others; may RPC wait?"""
-        for group in list(self.groups.values()):
-            try:
-                group.destroy()
-            except Exception as exc:
-                logger.debug("destroying RPC group %r failed: %r", group.get_group_name(), exc)
-        if not self.init_rpc:
-            return graceful
-        return self._stop_barrier(timeout, wait=graceful)
-
-    def _stop_barrier(self, timeout: float, wait: bool) -> bool:
-        """Meet every rank in ``stop`` through the store (bounded); return whether RPC may stop gracefully.
-
-        torch's graceful shutdown waits for a dead peer with the store's timeout, not the one passed to it;
-        our barrier notices a missing rank within ``timeout`` instead. A rank that leaves non-gracefully
-        (``wait`` is False) still arrives, and marks the stop as abandoned so that the others do not wait for
-        it in torch's shutdown either.
-        """
-        try:
-            if not wait:
-                self.store.set("world/stop_abandoned", self.name)
-            store_barrier(self.store, self.waits, "world/stop", 0, self.name, self._names, timeout, wait=wait)
-            if wait and self.store.check(["world/stop_abandoned"]):
-                logger.info("World.stop: a rank left non-gracefully; shutting RPC down non-gracefully")
-                return False
-            return wait
-        except (TimeoutError, RuntimeError, OSError) as exc:
-            if wait:
-                warnings.warn(
-                    f"World.stop: {exc}; shutting RPC down non-gracefully", RuntimeWarning, stacklevel=2
-                )
-            return False
+            if self._ifenv is not None:
+                self._ifenv.restore()
+            clear_world(self)
 
     def __reduce__(self) -> NoReturn:
         raise TypeError("World is a per-process object and cannot be pickled or sent to another process")
@@ -383,16 +364,17 @@ class World:
 
 def get_world() -> World | None:
     """This process's World, or None before one is created (or after it stopped)."""
-    return _WORLD
+    world: World | None = current_world()
+    return world
 
 
 def is_world_initialized() -> bool:
     """Whether this process has a running World."""
-    return _WORLD is not None
+    return current_world() is not None
 
 
 def _require_world() -> World:
-    world = _WORLD
+    world: World | None = current_world()
     if world is None:
         raise RuntimeError("no World in this process: create pc_distributed.World(...) first")
     return world

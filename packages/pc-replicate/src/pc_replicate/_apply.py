@@ -142,6 +142,11 @@ def apply_replicas(
     docstring), which get ``abort_join_timeout`` seconds to finish, and the first primary error is re-raised
     as the original object with a note naming its replica and device.
 
+    What ends the wait: every replica's end, including every failure (a worker catches everything, so a
+    replica never ends without waking the caller); a replica blocked in a synchronisation whose peer failed is
+    released by the abort; one blocked for another reason is ended by that synchronisation's own timeout
+    (pc-sync: ``sync_timeout``). The wait itself adds no timeout: user code may legitimately run long.
+
     Args:
         replicas: one module per replica.
         inputs: per-replica positional inputs (a tuple/list of arguments, or a single argument).

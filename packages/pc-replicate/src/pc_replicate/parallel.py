@@ -91,6 +91,9 @@ class _Failure:
 
 
 _STOP = object()
+# Put on the out-queue when more get() calls wait than results can still come (close() dropped items): the
+# getter that receives it and finds itself surplus raises instead of waiting forever.
+_WAKE = _Result(-1, False, None)
 
 
 def _run_item(parallelizable: Any, item: _Item, failure: _Failure) -> _Result:
@@ -206,6 +209,7 @@ class Parallel:
         self._pending = 0
         self._buffer: dict[int, _Result] = {}
         self._dropped: set[int] = set()
+        self._waiting = 0  # get() calls blocked on the out-queue
         self._closed = False
         self._threads = [
             threading.Thread(
@@ -267,36 +271,61 @@ class Parallel:
         """Return the next result: in completion order, or in ``put`` order when ``ordered=True``.
 
         Args:
-            timeout: seconds to wait; ``None`` waits until a result arrives.
+            timeout: seconds to wait; ``None`` waits until a result arrives. Every item put yields one result
+                (a failing item yields its error, and a worker never dies without one), and ``close()`` from
+                another thread wakes a ``get`` whose item it dropped, so ``None`` never outlasts the work.
 
         Returns:
             The value ``forward_backward`` returned.
 
         Raises:
-            RuntimeError: at once when no item is pending.
+            RuntimeError: at once when no item is pending, or when ``close()`` dropped what it waited for.
             TimeoutError: if no result arrived within ``timeout`` (the item stays pending).
             BaseException: the error ``forward_backward`` raised for this item, with its original type.
         """
         with self._lock:
             if self._pending == 0:
                 raise RuntimeError("get() called with no pending item; put() an item first")
+            self._waiting += 1
         deadline = None if timeout is None else time.monotonic() + timeout
-        result = self._next_result(deadline, timeout)
+        try:
+            result = self._next_result(deadline, timeout)
+        finally:
+            with self._lock:
+                self._waiting -= 1
         with self._lock:
             self._pending -= 1
+        self._wake_surplus()
         if not result.ok:
             raise result.value
         return result.value
 
     def _receive(self, deadline: float | None, timeout: float | None) -> _Result:
-        try:
-            if deadline is None:
-                return self._out_queue.get()
-            return self._out_queue.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise TimeoutError(
-                f"Parallel.get: no result within {timeout} s ({self.pending} item(s) pending)"
-            ) from None
+        while True:
+            try:
+                if deadline is None:
+                    result = self._out_queue.get()
+                else:
+                    result = self._out_queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(
+                    f"Parallel.get: no result within {timeout} s ({self.pending} item(s) pending)"
+                ) from None
+            if result is not _WAKE:
+                return result
+            with self._lock:
+                if self._waiting > self._pending:
+                    raise RuntimeError(
+                        "Parallel.get: no result can come for this get(): close() dropped the items it "
+                        "waited for"
+                    )
+
+    def _wake_surplus(self) -> None:
+        """Wake the get() calls that no pending item can satisfy any more (one ``_WAKE`` each)."""
+        with self._lock:
+            surplus = self._waiting - max(self._pending, 0)
+        for _ in range(surplus):
+            self._out_queue.put(_WAKE)
 
     def _next_result(self, deadline: float | None, timeout: float | None) -> _Result:
         if not self._ordered:
@@ -328,6 +357,7 @@ class Parallel:
             with self._lock:
                 self._pending -= len(dropped)
                 self._dropped.update(item.seq for item in dropped)
+            self._wake_surplus()
             logger.debug("Parallel.close dropped %d unstarted item(s)", len(dropped))
 
     def __enter__(self) -> Parallel:

@@ -1,0 +1,124 @@
+"""The bounded start of a World: open (or serve) the rendezvous store and publish this member's name.
+
+Every step is bounded by the World's ``dist_timeout``: torch's TCPStore client waits for the server's
+handshake with no deadline, so opening a client runs under :func:`~pc_distributed._bounded.call_bounded`,
+and every later request goes through a :class:`~pc_distributed._bounded.BoundedStore`.
+
+A rank 0 that serves the store itself (no torchrun agent) binds exactly the rendezvous address it was given
+(loopback by default), never every interface, unless that address is ``0.0.0.0``/``::``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from pc_distributed import _torch_dist
+from pc_distributed._bounded import BoundedStore, call_bounded
+from pc_distributed._env import WorldSpec
+from pc_distributed._store import wait_keys
+from pc_distributed._store_waits import WaitStores
+
+__all__ = ["Connection", "connect", "publish_name"]
+
+_PREFIX = "pc_distributed"
+_EPOCH = 0
+
+
+def _next_epoch() -> int:
+    global _EPOCH
+    _EPOCH += 1
+    return _EPOCH
+
+
+@dataclass
+class Connection:
+    """A World's connections to the store.
+
+    Attributes:
+        raw: torch's store (the server on rank 0, else a client).
+        store: The bounded shared client (short requests), with the World's key prefix.
+        waits: The clients for blocking waits, with the same prefix.
+        rpc_url: RPC's init method (``:0`` replaced by the served port).
+    """
+
+    raw: Any
+    store: BoundedStore
+    waits: WaitStores
+    rpc_url: str
+
+    def close(self) -> None:
+        """Close the clients (never blocks)."""
+        self.waits.close()
+        self.store.close()
+
+
+def _serve(spec: WorldSpec, world_size: int, timeout: float) -> Any:
+    host = "127.0.0.1" if spec.host in (None, "localhost") else str(spec.host)
+    try:
+        return _torch_dist.master_store(host, spec.port or 0, world_size, timeout)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"rank 0 cannot serve the rendezvous store on {host}:{spec.port or 0} ({exc.strerror}); the "
+            "address must be one of this host's (addr= / MASTER_ADDR) and the port free (MASTER_PORT)",
+        ) from exc
+
+
+def _open(spec: WorldSpec, name: str, rank: int, world_size: int, timeout: float) -> Any:
+    what = f"World {name!r}: the rendezvous store at {spec.dist_url}"
+    hint = (
+        "is rank 0 (or torchrun's agent) running and serving it, and is that address reachable from this "
+        "host? Pass addr=/interface= to World or set MASTER_ADDR/MASTER_PORT"
+    )
+    try:
+        # torch's client waits for the server's handshake with no deadline: a rendezvous address that accepts
+        # connections and never answers (a frozen rank 0) would block here forever.
+        return call_bounded(
+            lambda: _torch_dist.open_store(spec.dist_url, rank, world_size, timeout), timeout, what
+        )
+    except (RuntimeError, OSError) as exc:  # silent, refused, unreachable, or torch's own connect timeout
+        detail = "no answer" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+        raise TimeoutError(f"{what}: not reachable within {timeout:g} s ({detail}); {hint}") from exc
+
+
+def connect(spec: WorldSpec, name: str, rank: int, world_size: int, timeout: float) -> Connection:
+    """Serve or open the store and build the World's bounded clients (undone by :meth:`Connection.close`).
+
+    Raises:
+        TimeoutError: If the rendezvous store cannot be reached or does not answer within ``timeout``.
+        OSError: If rank 0 cannot bind the rendezvous address.
+    """
+    raw = (
+        _serve(spec, world_size, timeout)
+        if spec.serves_store()
+        else _open(spec, name, rank, world_size, timeout)
+    )
+    # Keys are scoped per torchrun restart and per World of this process (every rank creates its Worlds in the
+    # same order), so a store that outlives a World never shows it stale keys.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"{_PREFIX}/{restart}/{_next_epoch()}"
+    store = BoundedStore(_torch_dist.prefix_store(prefix, raw), timeout, f"the store of World {name!r}")
+    waits = WaitStores(raw, prefix, timeout)
+    rpc_url = spec.rpc_url
+    port = _torch_dist.store_port(raw)
+    if rpc_url.endswith(":0") and port is not None:
+        rpc_url = f"{rpc_url[:-2]}:{port}"
+    return Connection(raw=raw, store=store, waits=waits, rpc_url=rpc_url)
+
+
+def publish_name(conn: Connection, name: str, rank: int, world_size: int, timeout: float) -> list[str]:
+    """Publish this member's name and wait for every rank's; return the names by rank.
+
+    Raises:
+        TimeoutError: Naming the ranks that did not arrive.
+        ValueError: If two members have the same name.
+    """
+    conn.store.set(f"world/name/{rank}", name)
+    keys = [f"world/name/{r}" for r in range(world_size)]
+    wait_keys(conn.store, conn.waits, keys, timeout, f"World {name!r} waiting for the other ranks")
+    names = [conn.store.get(k).decode() for k in keys]
+    if len(set(names)) != len(names):
+        raise ValueError(f"member names must be unique, got {names} (by rank)")
+    return names

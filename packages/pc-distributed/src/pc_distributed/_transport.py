@@ -1,0 +1,165 @@
+"""The package's timeout convention, call-argument checks and the mapping of torch's transport errors.
+
+**Timeouts.** Every ``timeout`` argument of pc-distributed means the same: ``None`` is the owner's default (an
+RPC call: the World's ``rpc_timeout``; a group barrier: the World's ``rpc_timeout``; ``irecv().wait``: the
+group's timeout; ``World.stop``: ``rpc_timeout``), any other value is a number of seconds > 0. The seed's
+spelling ``-1`` (machin's "the default") is accepted everywhere as another name for ``None``. No wait of the
+package is infinite by default.
+
+**Transport errors.** Failures of the transport surface as ``TimeoutError`` or ``ConnectionError`` naming the
+peer, chained to torch's error. They are told apart by type where torch gives one (``TimeoutError``,
+``ConnectionError``, ``torch.distributed.DistNetworkError``); torch's RPC agent raises a plain
+``RuntimeError`` for both a timeout and a lost peer, and for it only the message tells them apart, so words of
+the message are matched as the fallback (:data:`TIMEOUT_WORDS`, :data:`CONNECTION_WORDS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CONNECTION_WORDS",
+    "DEFAULT",
+    "TIMEOUT_WORDS",
+    "chain_future",
+    "check_call_args",
+    "check_timeout",
+    "is_timeout",
+    "positive_seconds",
+    "resolve_timeout",
+    "transport_error",
+    "with_cause",
+]
+
+# The seed's "use the default" value; accepted as a synonym of None.
+DEFAULT = -1
+
+# Fallback only: words of torch's RuntimeError texts for a timeout and for a lost connection.
+TIMEOUT_WORDS = ("timeout", "timed out")
+CONNECTION_WORDS = (
+    "connection",
+    "pipe",
+    "eof",
+    "closed",
+    "reset",
+    "shut",
+    "refused",
+    "unreachable",
+    "broken",
+)
+
+_DistNetworkError: type[BaseException] = getattr(dist, "DistNetworkError", ConnectionError)
+
+
+def positive_seconds(label: str, value: object) -> float:
+    """Check that ``value`` is a number of seconds > 0 and return it as a float.
+
+    Raises:
+        TypeError: If it is not a number.
+        ValueError: If it is not > 0.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{label} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not value > 0:
+        raise ValueError(f"{label} must be > 0 seconds, got {value!r}")
+    return float(value)
+
+
+def check_timeout(timeout: object) -> float | None:
+    """Validate a ``timeout`` argument: None (or the seed's -1) means the default, else seconds > 0.
+
+    Returns:
+        None for the default, else the seconds.
+
+    Raises:
+        TypeError: If it is not None or a number.
+        ValueError: If it is a number that is neither -1 nor > 0.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"timeout must be None (the default) or a number of seconds, got {type(timeout).__name__} "
+            f"{timeout!r}"
+        )
+    if timeout == DEFAULT:
+        return None
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, or None for the default, got {timeout!r}")
+    return float(timeout)
+
+
+def resolve_timeout(timeout: object, default: float) -> float:
+    """Seconds of a wait: ``timeout`` checked by :func:`check_timeout`, else ``default``."""
+    seconds = check_timeout(timeout)
+    return default if seconds is None else seconds
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether torch's error ``exc`` reports a timeout (by type; by message for a plain ``RuntimeError``)."""
+    if isinstance(exc, TimeoutError):
+        return True
+    if isinstance(exc, (ConnectionError, _DistNetworkError)):
+        return False
+    low = str(exc).lower()
+    return any(word in low for word in TIMEOUT_WORDS)
+
+
+def transport_error(exc: BaseException, target: str, what: str) -> BaseException:
+    """Map a torch transport failure to ``TimeoutError``/``ConnectionError`` naming the target.
+
+    Anything that is neither becomes a ``RuntimeError`` naming the target. The caller chains ``exc``.
+    """
+    text = str(exc)
+    if is_timeout(exc):
+        return TimeoutError(f"{what} to {target!r} timed out: {text}")
+    if isinstance(exc, (ConnectionError, _DistNetworkError)):
+        return ConnectionError(f"{what} to {target!r} failed: {text}")
+    low = text.lower()
+    if any(word in low for word in CONNECTION_WORDS):
+        return ConnectionError(f"{what} to {target!r} failed: {text}")
+    return RuntimeError(f"{what} to {target!r} failed: {text}")
+
+
+def check_call_args(args: object, kwargs: object) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Validate ``args``/``kwargs`` of a call and return them as a tuple and a dict.
+
+    Raises:
+        TypeError: If ``args`` is not a tuple or list, or ``kwargs`` not a dict or None.
+    """
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
+    return tuple(args), dict(kwargs or {})
+
+
+def with_cause(exc: BaseException, cause: BaseException) -> BaseException:
+    """Return ``exc`` with ``__cause__`` set to ``cause`` (for exceptions handed to futures)."""
+    exc.__cause__ = cause
+    return exc
+
+
+def chain_future(
+    raw: torch.futures.Future[Any], target: str, finish: Callable[[Any], Any]
+) -> torch.futures.Future[Any]:
+    """A future completed with ``finish(envelope)``, or its exception; transport errors are mapped."""
+    out: torch.futures.Future[Any] = torch.futures.Future()
+
+    def done(fut: torch.futures.Future[Any]) -> None:
+        try:
+            envelope = fut.wait()
+        except (RuntimeError, OSError) as exc:
+            out.set_exception(with_cause(transport_error(exc, target, "rpc_async"), exc))
+            return
+        try:
+            out.set_result(finish(envelope))
+        except Exception as exc:
+            out.set_exception(exc)
+
+    raw.add_done_callback(done)
+    return out
