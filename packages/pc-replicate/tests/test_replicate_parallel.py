@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import subprocess
 import sys
@@ -165,25 +166,39 @@ def test_get_timeout_and_nothing_pending(no_thread_leak: None) -> None:
 def test_close_is_idempotent_drops_unstarted_items_and_stops_threads(no_thread_leak: None) -> None:
     started = threading.Event()
     release = threading.Event()
+    ran: list[int] = []
 
     def work(i: int) -> int:
+        ran.append(i)
         if i == 0:
             started.set()
             assert release.wait(30)
         return i
 
-    parallel = Parallel(1, Call(work), serial_init=False, ordered=True)
-    for i in range(4):
-        parallel.put(i)
-    assert started.wait(30)
-    closer = threading.Thread(target=parallel.close, name="test-closer")
-    closer.start()
-    release.set()
-    closer.join(30)
-    assert not closer.is_alive()
+    class ReleaseOnDrop(logging.Handler):
+        # close() logs the drop before it stops the workers: item 0 finishes only after items 1..3 are gone.
+        def emit(self, record: logging.LogRecord) -> None:
+            if "dropped" in record.getMessage():
+                release.set()
+
+    log = logging.getLogger("pc_replicate.parallel")
+    handler, level = ReleaseOnDrop(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        parallel = Parallel(1, Call(work), serial_init=False, ordered=True)
+        for i in range(4):
+            parallel.put(i)
+        assert started.wait(30)
+        parallel.close()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert release.is_set()
     parallel.close()
     assert parallel.get(timeout=5) == 0  # the item that had started still delivers
     assert parallel.pending == 0  # items 1..3 were dropped
+    assert ran == [0]
     with pytest.raises(RuntimeError, match="closed"):
         parallel.put(5)
     assert "closed" in repr(parallel)

@@ -127,18 +127,23 @@ def _worker(
         out_queue.put(_run_item(parallelizable, item, failure))
 
 
-def _shutdown(
-    in_queue: queue.SimpleQueue[Any], threads: list[threading.Thread], timeout: float
-) -> list[_Item]:
-    """Drop unstarted items, stop the workers, join them with a bound; return the dropped items."""
+def _drop_unstarted(in_queue: queue.SimpleQueue[Any]) -> list[_Item]:
+    """Take every item no worker has started off the queue and return them."""
     dropped: list[_Item] = []
     while True:
         try:
             item = in_queue.get_nowait()
         except queue.Empty:
-            break
+            return dropped
         if item is not _STOP:
             dropped.append(item)
+
+
+def _shutdown(
+    in_queue: queue.SimpleQueue[Any], threads: list[threading.Thread], timeout: float
+) -> list[_Item]:
+    """Drop unstarted items, stop the workers, join them with a bound; return the dropped items."""
+    dropped = _drop_unstarted(in_queue)
     for _ in threads:
         in_queue.put(_STOP)
     deadline = time.monotonic() + timeout
@@ -352,13 +357,15 @@ class Parallel:
         """
         with self._lock:
             self._closed = True
-        dropped = self._finalizer()
+        # Unstarted items leave before the workers are told to stop, so none of them can start meanwhile.
+        dropped = _drop_unstarted(self._in_queue) if self._finalizer.alive else []
         if dropped:
             with self._lock:
                 self._pending -= len(dropped)
                 self._dropped.update(item.seq for item in dropped)
             self._wake_surplus()
             logger.debug("Parallel.close dropped %d unstarted item(s)", len(dropped))
+        self._finalizer()
 
     def __enter__(self) -> Parallel:
         return self
