@@ -33,6 +33,9 @@ if __name__ == "__main__":
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode == "exit":
         sys.exit(0)  # no close/terminate: the atexit finalizer must stop the workers
+    elif mode == "ctrl-c-join":
+        pool.close()
+        pool.join()  # no timeout: the pending tasks keep it waiting until Ctrl-C arrives here
     result.get(60)  # Ctrl-C arrives here
 """
 
@@ -92,8 +95,9 @@ def _cleanup(proc: subprocess.Popen[bytes], pids: list[int]) -> None:
     proc.wait(30)
 
 
-def test_pool_ctrl_c_terminates_workers_and_exits_once(tmp_path: pathlib.Path) -> None:
-    proc, pids, err = _run(tmp_path, "ctrl-c")
+@pytest.mark.parametrize("mode", ["ctrl-c", "ctrl-c-join"])
+def test_pool_ctrl_c_terminates_workers_and_exits_once(tmp_path: pathlib.Path, mode: str) -> None:
+    proc, pids, err = _run(tmp_path, mode)
     try:
         start = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)

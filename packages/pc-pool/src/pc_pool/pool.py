@@ -259,7 +259,10 @@ class BasePool(PoolFrontend):
         """Wait for the workers and the pool's threads to exit after :meth:`close` or :meth:`terminate`.
 
         Args:
-            timeout: Seconds to wait at most; ``None`` waits until pending work has drained.
+            timeout: Seconds to wait at most; ``None`` waits until pending work has drained. Every failure
+                ends that too: a dead worker fails its chunk and the rest drains, ``terminate()`` from another
+                thread ends it at once, and Ctrl-C terminates the pool and propagates. Only a task that never
+                returns keeps it waiting.
 
         Raises:
             ValueError: The pool is still running (call ``close()`` or ``terminate()`` first).
