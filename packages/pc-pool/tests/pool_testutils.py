@@ -172,6 +172,6 @@ def misreplying_worker(
 
     put(((K_READY, -1, -1, None), None))
     while (task := get()) is not None:
-        (_, job, chunk, _), blob = task()
+        (_, job, chunk, _), blob, *fds = task()
         os.read(initargs[0], 1)
-        put(((K_OK, job, chunk + 1000, None), blob))
+        put(((K_OK, job, chunk + 1000, None), blob, *fds))

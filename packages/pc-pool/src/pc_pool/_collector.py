@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pc_pool import _serial
 from pc_pool._engine import CLOSE_GRACE, FAST_RTT, TICK, PoolStates, block_sigint_in_this_thread, now
+from pc_pool._fdpass import installed_fds
 from pc_pool._protocol import (
     K_ENC,
     K_ERR,
@@ -164,8 +166,18 @@ class ResultThread:
         st.wakeup.close()
 
     # -- replies ---------------------------------------------------------------------------------------------
-    def handle_reply(self, w: WorkerHandle, header: tuple[Any, ...], blob: bytes | None) -> None:
-        """Act on one message from worker ``w``: readiness, retirement, an init error or a chunk's answer."""
+    def handle_reply(
+        self, w: WorkerHandle, header: tuple[Any, ...], blob: bytes | None, fds: Sequence[int] = ()
+    ) -> None:
+        """Act on one message from worker ``w``: readiness, retirement, an init error or a chunk's answer.
+
+        ``fds`` came with the message (share mode, see :mod:`pc_pool._fdpass`): the payload's loads take
+        them; whatever is left is closed here.
+        """
+        with installed_fds(list(fds)):
+            self._handle_reply(w, header, blob)
+
+    def _handle_reply(self, w: WorkerHandle, header: tuple[Any, ...], blob: bytes | None) -> None:
         st = self._state
         kind, job_id, chunk_index, text = header
         if kind == K_READY:

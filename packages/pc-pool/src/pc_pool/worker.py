@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pc_pool import _serial
+from pc_pool._fdpass import close_fds, collecting_fds
 from pc_pool._protocol import (
     K_ENC,
     K_ERR,
@@ -45,7 +46,8 @@ __all__ = ["CtxPoolStorage", "ResultPutter", "TaskGetter", "proxy_ctx_caller", "
 _log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _FUNC_CACHE_SIZE = 32
-_Reply = tuple[tuple[Any, ...], "bytes | None"]
+# (header, payload) or (header, payload, fds): fds (share mode) travel with the message and are closed here.
+_Reply = tuple[Any, ...]
 
 
 class CtxPoolStorage:
@@ -76,10 +78,23 @@ def proxy_ctx_caller(*input_: Any) -> Any:
 # ------------------------------------------------------------------------------------------------------------
 # Replies
 # ------------------------------------------------------------------------------------------------------------
+def _dump_reply(obj: Any, copy_tensor: bool) -> tuple[bytes, list[int]]:
+    """Dump a result or an exception; in share mode also return the fds to pass along (see ``_fdpass``)."""
+    if copy_tensor:
+        return _serial.dumps(obj, copy_tensor=True), []
+    with collecting_fds() as fds:
+        try:
+            return _serial.dumps(obj, copy_tensor=False), fds
+        except BaseException:
+            close_fds(fds)
+            raise
+
+
 def _error_reply(kind: int, job: int, chunk: int, exc: BaseException, copy_tensor: bool) -> _Reply:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        return (kind, job, chunk, tb), _serial.dumps(exc, copy_tensor=copy_tensor)
+        blob, fds = _dump_reply(exc, copy_tensor)
+        return (kind, job, chunk, tb), blob, fds
     except Exception as dump_exc:
         # The exception itself cannot travel: send the stdlib's MaybeEncodingError (reprs only) instead.
         enc = MaybeEncodingError(dump_exc, exc)
@@ -119,7 +134,8 @@ class _Task:
         except BaseException as exc:
             return _error_reply(K_ERR, self.job, self.chunk, exc, self.copy_tensor)
         try:
-            return (K_OK, self.job, self.chunk, None), _serial.dumps(values, copy_tensor=self.copy_tensor)
+            blob, fds = _dump_reply(values, self.copy_tensor)
+            return (K_OK, self.job, self.chunk, None), blob, fds
         except Exception as exc:
             enc = MaybeEncodingError(exc, values)
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -182,7 +198,8 @@ class TaskGetter:
             os._exit(1)
         if msg is None:
             return None
-        header, blob = msg
+        header, blob, fds = msg
+        close_fds(fds)  # the parent never passes fds to a worker
         job, _, _, func_blob, drops = header
         for dropped in drops:
             self._funcs.pop(dropped, None)
@@ -201,10 +218,10 @@ class TaskGetter:
 class ResultPutter:
     """``put(reply)`` of the worker loop: send one reply to the parent.
 
-    Share mode (``wait_ack``): a result's tensors travel as handles that the parent fetches from this process
-    (``file_descriptor`` strategy) when it loads them, so after each result this waits for the parent's
-    ``RESULT_ACK`` (sent once it has loaded it) before the next chunk can run. A crash in that next chunk then
-    cannot take an already finished result with it. Wake-ups: the ack, or the parent's death (exit).
+    Share mode (``wait_ack``): after each result this waits for the parent's ``RESULT_ACK`` (sent once it has
+    loaded it) before the next chunk can run, so at most one unloaded result per worker is in flight. (Its fds
+    travel with it, see :mod:`pc_pool._fdpass`, so even a kill in that window loses nothing.) Wake-ups: the
+    ack, or the parent's death (exit).
     """
 
     def __init__(self, conn: Connection, wait_ack: bool = False) -> None:
@@ -214,12 +231,15 @@ class ResultPutter:
         self._parent_sentinel = parent.sentinel if parent is not None else None
 
     def __call__(self, reply: _Reply) -> None:
-        """Send ``reply``; exit the process if the parent is gone."""
-        header, blob = reply
+        """Send ``reply``, ``(header, payload)`` or ``(header, payload, fds)``; exit if the parent is gone."""
+        header, blob, *rest = reply
+        fds: list[int] = rest[0] if rest else []
         try:
-            send_msg(self._conn, header, blob)
+            send_msg(self._conn, header, blob, fds)
         except (BrokenPipeError, ConnectionResetError):
             os._exit(1)  # the parent is gone
+        finally:
+            close_fds(fds)  # in flight (or lost with the parent): the kernel holds what was sent
         if self._wait_ack and header[0] == K_OK:
             self._await_ack()
 
