@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from pc_pool import _serial
@@ -123,7 +123,8 @@ class ResultThread:
                     break
                 for index, event in events:
                     if self._state.stopping:  # (not st.: mypy narrows that to False here)
-                        break  # terminated or broken meanwhile: nothing more to deliver
+                        self._discard(event)  # terminated or broken meanwhile: nothing more to deliver
+                        continue
                     w = st.workers[index]
                     if w is None or w.dead:
                         continue
@@ -162,8 +163,37 @@ class ResultThread:
         self._hooks.join_workers()
         for w in st.workers:
             if w is not None:
+                if w.send_lock.acquire(timeout=TICK):  # a feeder mid-send finishes first, then none sends
+                    w.dead = True
+                    w.send_lock.release()
+                if not self._copy_tensor:
+                    self._release_in_flight(w)
+                with st.cond:
+                    w.outstanding.clear()  # their items are the callers' arguments (tensors, shared memory)
                 self._workers.close(w)
         st.wakeup.close()
+
+    def _discard(self, event: Any) -> None:
+        """Drop a received message that will not be handled, giving back its share handles and fds."""
+        if event is not None:
+            _, blob, fds = event
+            with installed_fds(fds):
+                if not self._copy_tensor:
+                    _serial.release(blob)
+
+    def _release_in_flight(self, w: WorkerHandle) -> None:
+        """Share mode, worker ``w`` is gone: give back the handles of payloads that nobody will load.
+
+        Those are the chunks it never started (their bytes are still in its task pipe) and the replies it sent
+        that were never read; without this their segments ('file_system') stay in ``/dev/shm`` until the
+        last process using torch's shared-memory manager exits.
+        """
+        chunks = list(w.outstanding)
+        running = _running_chunk(chunks, unread_bytes(w.task_conn))
+        _release_all(c.sent_payloads for c in chunks if c.sent and c is not running)
+        with contextlib.suppress(EOFError, OSError):
+            while w.result_conn.poll(0):
+                self._discard(recv_msg(w.result_conn))
 
     # -- replies ---------------------------------------------------------------------------------------------
     def handle_reply(
@@ -196,10 +226,11 @@ class ResultThread:
         with st.cond:
             chunk = w.outstanding[0] if w.outstanding else None
             matches = chunk is not None and chunk.job.id == job_id and chunk.index == chunk_index
-            if matches:
+            if chunk is not None and matches:
                 w.outstanding.popleft()
+                chunk.sent_payloads = ()  # the worker read them
                 w.answered += 1
-                w.fast = chunk is not None and now() - chunk.sent_at < FAST_RTT
+                w.fast = now() - chunk.sent_at < FAST_RTT
                 st.cond.notify_all()
         if chunk is None or not matches:
             expected = "nothing" if chunk is None else f"job {chunk.job.id} chunk {chunk.index}"
@@ -260,9 +291,11 @@ class ResultThread:
             died = _running_chunk(chunks, unread_bytes(w.task_conn)) if crashed else None
             if died is not None:
                 chunks.remove(died)
+            unread = [c.sent_payloads for c in chunks if c.sent]  # never started: their bytes are in the pipe
             st.requeue(chunks)
             st.workers[w.index] = None
         self._workers.close(w)
+        _release_all(unread)  # re-dispatching dumps the chunks afresh
         if crashed and not w.ready:
             # Died before it was ready: killed during start-up, or an initializer that exits or crashes. Only
             # a run of such deaths with no ready worker in between breaks the pool (no respawn loop).
@@ -277,6 +310,12 @@ class ResultThread:
         self._hooks.repopulate_pool()
         if died is not None:
             st.deliver(died, False, WorkerDiedError(pid, exitcode))
+
+
+def _release_all(payload_groups: Iterable[tuple[bytes | None, ...]]) -> None:
+    for payloads in payload_groups:
+        for payload in payloads:
+            _serial.release(payload)
 
 
 def _running_chunk(chunks: list[Chunk], unread: int | None) -> Chunk | None:

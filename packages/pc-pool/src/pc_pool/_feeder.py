@@ -157,10 +157,13 @@ class Feeder:
     def _send_chunk(self, w: WorkerHandle, chunk: Chunk) -> None:
         st = self._state
         job = chunk.job
+        func_blob: bytes | None = None
         try:
             func_blob = self._dump_func(w, job)
             payload = _serial.dumps(chunk.items, recurse=self._recurse, copy_tensor=self._copy_tensor)
         except Exception as exc:
+            if not self._copy_tensor:
+                _serial.release(func_blob)  # dumped for this chunk, never sent
             with st.cond:
                 try:
                     w.outstanding.remove(chunk)
@@ -173,13 +176,21 @@ class Feeder:
         drops = tuple(j for j in w.sent_jobs if j not in st.jobs)
         header = (job.id, chunk.index, job.mode, func_blob, drops)
         with w.send_lock:
-            if w.dead:
-                return
+            sent = False
             try:
-                chunk.sent_at = now()
-                chunk.nbytes = self._send((w.index, header, payload))
+                if not w.dead:
+                    chunk.sent_at = now()
+                    chunk.nbytes = self._send((w.index, header, payload))
+                    sent = True
             except OSError:
-                return  # the worker died; its reaper re-dispatches the unsent chunk
+                pass  # the worker died; its reaper re-dispatches the unsent chunk
+            if not sent:
+                if not self._copy_tensor:  # share handles nobody will load: give them back now
+                    _serial.release(func_blob)
+                    _serial.release(payload)
+                return
             chunk.sent = True
+            if not self._copy_tensor:
+                chunk.sent_payloads = (func_blob, payload)
             w.sent_jobs.add(job.id)
             w.sent_jobs.difference_update(drops)

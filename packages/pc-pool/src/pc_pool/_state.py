@@ -136,6 +136,7 @@ class EngineState:
         """Put chunks back at the front, in their order (the caller holds ``cond``)."""
         for chunk in reversed(list(chunks)):
             chunk.sent = False
+            chunk.sent_payloads = ()  # released by the caller (or by the worker that drains them) if needed
             if chunk.job.id not in self.jobs:
                 continue
             (self.slot_ready[chunk.slot] if chunk.slot is not None else self.ready).appendleft(chunk)

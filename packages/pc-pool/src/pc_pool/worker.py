@@ -114,6 +114,12 @@ class _Task:
         self.cache = cache
         self.copy_tensor = copy
 
+    def release(self) -> None:
+        """Give back the share handles of the arguments when the chunk will not run (retirement)."""
+        if not self.copy_tensor:
+            _serial.release(self.args_blob)
+        self.args_blob = None
+
     def __call__(self) -> _Reply:
         try:
             func = self.cache[self.job]
@@ -130,6 +136,8 @@ class _Task:
             else:
                 values = [func(*x) for x in items]
         except SystemExit:
+            if self.args_blob is not None:  # SIGTERM before the arguments were loaded: nobody else will
+                self.release()
             raise  # sys.exit in a task ends the worker; the parent reports WorkerDiedError
         except BaseException as exc:
             return _error_reply(K_ERR, self.job, self.chunk, exc, self.copy_tensor)
@@ -234,12 +242,16 @@ class ResultPutter:
         """Send ``reply``, ``(header, payload)`` or ``(header, payload, fds)``; exit if the parent is gone."""
         header, blob, *rest = reply
         fds: list[int] = rest[0] if rest else []
+        sent = False
         try:
             send_msg(self._conn, header, blob, fds)
+            sent = True
         except (BrokenPipeError, ConnectionResetError):
             os._exit(1)  # the parent is gone
         finally:
             close_fds(fds)  # in flight (or lost with the parent): the kernel holds what was sent
+            if not sent and self._wait_ack:  # SIGTERM (terminate) before it left: give its handles back
+                _serial.release(blob)
         if self._wait_ack and header[0] == K_OK:
             self._await_ack()
 
@@ -291,8 +303,27 @@ def worker_loop(
     # parent acknowledges. The parent loads our fd-shared results while we are still alive and re-dispatches
     # the rest.
     put(((K_RETIRE, -1, -1, None), None))
-    while get() is not None:
-        pass
+    while (task := get()) is not None:
+        release = getattr(task, "release", None)
+        if release is not None:
+            release()  # share mode: give back the handles of arguments this worker will never load
+
+
+class _Terminated(SystemExit):
+    """Raised by SIGTERM in a worker; ``worker_main`` catches it once the stack has unwound."""
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # terminate() sends SIGTERM: unwinding (instead of dying at once) drops the shared tensors this worker
+    # holds, so their /dev/shm segments ('file_system') are not left behind; SIGKILL follows after 1 s.
+    raise _Terminated(128 + signum)
+
+
+def _die_of_sigterm() -> None:
+    """Exit as SIGTERM's default action would (exit status -SIGTERM), skipping interpreter clean-up."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(128 + signal.SIGTERM)  # pragma: no cover - not reached
 
 
 def _set_parent_death_signal() -> None:
@@ -326,6 +357,7 @@ def worker_main(
         parent_pid: The pool process; if it is already gone, exit at once.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if hasattr(signal, "pthread_sigmask"):  # blocked by the parent thread that started us (see _collector)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _set_parent_death_signal()
@@ -342,4 +374,10 @@ def worker_main(
         return
     if has_ctx:
         CtxPoolStorage.storage = ctx
-    worker_fn(TaskGetter(task_conn, copy_tensor), put, initializer, tuple(initargs), maxtasks)
+    terminated = False
+    try:
+        worker_fn(TaskGetter(task_conn, copy_tensor), put, initializer, tuple(initargs), maxtasks)
+    except _Terminated:
+        terminated = True
+    if terminated:  # outside the except block: its traceback (and the frames' tensors) are gone by now
+        _die_of_sigterm()
