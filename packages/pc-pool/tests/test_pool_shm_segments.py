@@ -34,9 +34,10 @@ _SCRIPT = textwrap.dedent(
         torch.multiprocessing.set_sharing_strategy("file_system")
         pids, counts = {os.getpid()}, []
         for _ in range(3):
-            with pc_pool.Pool(2, is_copy_tensor=False, share_method="cpu") as pool:
+            retire = 1 if sys.argv[1] == "retiring" else None
+            with pc_pool.Pool(2, maxtasksperchild=retire, is_copy_tensor=False, share_method="cpu") as pool:
                 pids.update(p.pid for p in psutil.Process().children(recursive=True))
-                if sys.argv[1] == "drained":
+                if sys.argv[1] in ("drained", "retiring"):
                     args = [torch.full((8,), float(i)) for i in range(40)]
                     result = pool.map_async(double, args, chunksize=1)
                     values = result.get(60)
@@ -55,13 +56,14 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("mode", ["drained", "abandoned"])
+@pytest.mark.parametrize("mode", ["drained", "retiring", "abandoned"])
 def test_pool_file_system_share_leaves_no_segments_across_pools(tmp_path: Path, mode: str) -> None:
     # Issue 16: 186 segments per closed pool, growing across pools. The workers' result tensors were kept
     # alive by a reference cycle in dumps until the workers were stopped, so their refcounts never dropped.
     # "abandoned": terminate() with share payloads nobody loaded (chunks still in the task pipes) and workers
     # killed while holding arguments: 7, 10, 13 segments after 1, 2, 3 pools before the pool released the
-    # unread payloads and workers unwound on SIGTERM.
+    # unread payloads and workers unwound on SIGTERM. "retiring": maxtasksperchild=1, so each worker drains
+    # (without loading) the chunks already sent to it when it retires; it now releases them.
     script = tmp_path / "shm_segments_script.py"
     script.write_text(_SCRIPT)
     done = subprocess.run(
