@@ -60,7 +60,7 @@ class ResultThread:
     Args:
         state: The pool's engine state.
         workers: The pool's worker set (starts and closes worker handles).
-        hooks: The pool, for its overridable hooks.
+        hooks: The pool, for its overridable hooks (held by the thread while it runs, not by this object).
         copy_tensor: ``False`` (share mode): acknowledge each loaded result so its worker may go on.
     """
 
@@ -69,13 +69,14 @@ class ResultThread:
     ) -> None:
         self._state = state
         self._workers = workers
-        self._hooks = hooks
         self._copy_tensor = copy_tensor
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._close_deadline: float | None = None
         self._unready_deaths = 0
-        self._thread = threading.Thread(target=self._run, name="pc_pool-results", daemon=True)
+        # The hooks (the pool) ride in the thread's arguments, which the thread drops when it ends: no
+        # reference cycle keeps a finished pool from being freed by reference counting.
+        self._thread = threading.Thread(target=self._run, args=(hooks,), name="pc_pool-results", daemon=True)
 
     # -- control (any thread) --------------------------------------------------------------------------------
     def start(self, timeout: float) -> BaseException | None:
@@ -99,14 +100,14 @@ class ResultThread:
             self._thread.join(timeout)
 
     # -- the thread ------------------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, hooks: PoolHooks) -> None:
         # Workers are forked from this thread and inherit its signal mask: with SIGINT blocked here, a Ctrl-C
         # that lands between fork and the worker's SIG_IGN stays pending and is then discarded, instead of
         # raising KeyboardInterrupt inside a half-started worker. The main thread still receives Ctrl-C.
         block_sigint_in_this_thread()
         st = self._state
         try:
-            self._hooks.repopulate_pool()
+            hooks.repopulate_pool()
         except BaseException as exc:
             self._start_error = exc
             st.stopping = True
@@ -115,10 +116,10 @@ class ResultThread:
         try:
             while not st.stopping:
                 try:
-                    events = self._hooks.pool_outqueue_get(TICK)
+                    events = hooks.pool_outqueue_get(TICK)
                 except TimeoutError:
                     events = []
-                    self._hooks.maintain_pool()  # backstop only: sentinels report deaths
+                    hooks.maintain_pool()  # backstop only: sentinels report deaths
                 except OSError:
                     break
                 for index, event in events:
@@ -129,17 +130,17 @@ class ResultThread:
                     if w is None or w.dead:
                         continue
                     if event is None:
-                        self.reap(w)
+                        self.reap(w, hooks)
                     else:
                         self.handle_reply(w, *event)
-                self._check_closed()
+                self._check_closed(hooks)
         except BaseException:  # pragma: no cover - a bug here must not leave callers hanging
             _log.exception("pc_pool result thread crashed; terminating the pool")
             st.fail_everything(PoolTerminatedError("the pool's result thread crashed"))
         finally:
-            self._shutdown()
+            self._shutdown(hooks)
 
-    def _check_closed(self) -> None:
+    def _check_closed(self, hooks: PoolHooks) -> None:
         """After a drained ``close()``: exit once every worker is gone (killing stragglers after a grace)."""
         st = self._state
         if st.state is not PoolStates.CLOSE or st.jobs:
@@ -152,15 +153,15 @@ class ResultThread:
         if self._close_deadline is None:
             self._close_deadline = now() + CLOSE_GRACE
         elif now() > self._close_deadline:
-            self._hooks.terminate_workers()
+            hooks.terminate_workers()
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, hooks: PoolHooks) -> None:
         st = self._state
         with st.cond:
             st.stopping = True
             st.cond.notify_all()
-        self._hooks.terminate_workers()
-        self._hooks.join_workers()
+        hooks.terminate_workers()
+        hooks.join_workers()
         for w in st.workers:
             if w is not None:
                 if w.send_lock.acquire(timeout=TICK):  # a feeder mid-send finishes first, then none sends
@@ -263,14 +264,14 @@ class ResultThread:
                 w.result_conn.send_bytes(RESULT_ACK)
 
     # -- deaths ----------------------------------------------------------------------------------------------
-    def maintain(self) -> None:
-        """Reap workers whose process ended (crash or retirement) and start replacements."""
+    def maintain(self, hooks: PoolHooks) -> None:
+        """Reap workers whose process ended (crash or retirement); start replacements through ``hooks``."""
         for w in list(self._state.workers):
             if w is not None and not w.dead and w.process.exitcode is not None:
-                self.reap(w)
-        self._hooks.repopulate_pool()
+                self.reap(w, hooks)
+        hooks.repopulate_pool()
 
-    def reap(self, w: WorkerHandle) -> None:
+    def reap(self, w: WorkerHandle, hooks: PoolHooks) -> None:
         """Worker ``w``'s process ended: read what it left, fail its running chunk, start a replacement."""
         st = self._state
         try:
@@ -307,7 +308,7 @@ class ResultThread:
             _log.warning(
                 "pc_pool worker %s (pid %s) died with exit code %s; replacing it", w.index, pid, exitcode
             )
-        self._hooks.repopulate_pool()
+        hooks.repopulate_pool()
         if died is not None:
             st.deliver(died, False, WorkerDiedError(pid, exitcode))
 

@@ -50,13 +50,14 @@ class Feeder:
         recurse: bool,
     ) -> None:
         self._state = state
-        self._send = send
         self._copy_tensor = copy_tensor
         self._recurse = recurse
         self._func_cache: collections.OrderedDict[int, tuple[object, bytes]] = collections.OrderedDict()
         self._func_cache_lock = threading.Lock()
         self._threads = [
-            threading.Thread(target=self._feed, args=(i,), name=f"pc_pool-feeder-{i}", daemon=True)
+            # send (bound to the pool) rides in the thread's arguments, dropped when the thread ends: no
+            # reference cycle keeps a finished pool alive.
+            threading.Thread(target=self._feed, args=(i, send), name=f"pc_pool-feeder-{i}", daemon=True)
             for i in range(state.processes)
         ]
 
@@ -95,7 +96,7 @@ class Feeder:
             # to an hour to prove that nothing relies on it).
             st.cond.wait(TICK)
 
-    def _feed(self, index: int) -> None:
+    def _feed(self, index: int, send: Callable[[tuple[int, tuple[Any, ...], bytes]], int]) -> None:
         block_sigint_in_this_thread()  # Ctrl-C must reach the main thread (see the function's docstring)
         while True:
             with self._state.cond:
@@ -110,7 +111,7 @@ class Feeder:
                         with contextlib.suppress(OSError):
                             w.task_conn.send_bytes(EXIT)
             else:
-                self._send_chunk(w, chunk)
+                self._send_chunk(w, chunk, send)
             # Drop our references before waiting: a chunk holds the caller's arguments (shared tensors, fds).
             del w, chunk
 
@@ -154,7 +155,9 @@ class Feeder:
             while len(self._func_cache) > _FUNC_CACHE_SIZE:
                 self._func_cache.popitem(last=False)
 
-    def _send_chunk(self, w: WorkerHandle, chunk: Chunk) -> None:
+    def _send_chunk(
+        self, w: WorkerHandle, chunk: Chunk, send: Callable[[tuple[int, tuple[Any, ...], bytes]], int]
+    ) -> None:
         st = self._state
         job = chunk.job
         func_blob: bytes | None = None
@@ -180,7 +183,7 @@ class Feeder:
             try:
                 if not w.dead:
                     chunk.sent_at = now()
-                    chunk.nbytes = self._send((w.index, header, payload))
+                    chunk.nbytes = send((w.index, header, payload))
                     sent = True
             except OSError:
                 pass  # the worker died; its reaper re-dispatches the unsent chunk

@@ -44,7 +44,6 @@ class WorkerSet:
         copy_tensor: Copy tensors (``False``: share them; result pipes are then duplex for the acks).
         recurse: Carry the globals of by-value functions by value.
         daemon: Start workers as daemon processes.
-        context_of: The context object of worker ``i`` (``CtxPool``), or ``NO_CONTEXT``.
     """
 
     def __init__(
@@ -59,7 +58,6 @@ class WorkerSet:
         copy_tensor: bool,
         recurse: bool,
         daemon: bool,
-        context_of: Callable[[int], Any],
     ) -> None:
         self._state = state
         self._ctx = ctx
@@ -70,16 +68,19 @@ class WorkerSet:
         self._copy_tensor = copy_tensor
         self._recurse = recurse
         self._daemon = daemon
-        self._context_of = context_of
 
     # -- starting --------------------------------------------------------------------------------------------
-    def start(self, index: int) -> WorkerHandle:
-        """Start worker ``index`` with a fresh task pipe and result pipe; return its handle."""
+    def start(self, index: int, context_of: Callable[[int], Any]) -> WorkerHandle:
+        """Start worker ``index`` with a fresh task pipe and result pipe; return its handle.
+
+        ``context_of(index)`` is the worker's context (``CtxPool``) or ``NO_CONTEXT`` (passed per call, not
+        stored: the pool's bound method would make a reference cycle).
+        """
         task_r, task_w = self._ctx.Pipe(duplex=False)
         # Share mode: duplex, so the parent can acknowledge each result it loaded (see worker.ResultPutter).
         result_r, result_w = self._ctx.Pipe(duplex=not self._copy_tensor)
         try:
-            context = self._context_of(index)
+            context = context_of(index)
             has_ctx = context is not NO_CONTEXT
             init_blob = _serial.dumps(
                 (self._initializer, self._initargs, has_ctx, context if has_ctx else None),
@@ -110,12 +111,12 @@ class WorkerSet:
         result_w.close()
         return WorkerHandle(index, process, task_w, result_r)
 
-    def repopulate(self) -> None:
+    def repopulate(self, context_of: Callable[[int], Any]) -> None:
         """Start every missing worker index while the pool wants workers (result thread only)."""
         st = self._state
         for index in range(st.processes):
             if st.workers[index] is None and st.wants_workers():
-                w = self.start(index)
+                w = self.start(index, context_of)
                 with st.cond:
                     st.workers[index] = w
                     # Wake the feeders now: a P2PPool's chunks pinned to this index wait for this worker, and

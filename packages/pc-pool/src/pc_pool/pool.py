@@ -132,7 +132,6 @@ class BasePool(PoolFrontend):
             copy_tensor=self._copy_tensor,
             recurse=self._recurse,
             daemon=self._daemon,
-            context_of=self._worker_context,
         )
         self._feeder = Feeder(
             self._engine, self.pool_inqueue_put, copy_tensor=self._copy_tensor, recurse=self._recurse
@@ -212,11 +211,11 @@ class BasePool(PoolFrontend):
         Called by the result thread only (the thread that must fork every worker). Starting workers stops once
         the pool terminates, or when it is closed with nothing left to do.
         """
-        self._worker_set.repopulate()
+        self._worker_set.repopulate(self._worker_context)
 
     def maintain_pool(self) -> None:
         """Reap workers whose process ended (crash or retirement) and start replacements."""
-        self._collector.maintain()
+        self._collector.maintain(self)
 
     def join_workers(self) -> None:
         """Wait until all workers have exited (each is given ``KILL_GRACE`` seconds, then killed)."""
