@@ -192,8 +192,13 @@ class Feeder:
                     _serial.release(func_blob)
                     _serial.release(payload)
                 return
-            chunk.sent = True
-            if not self._copy_tensor:
-                chunk.sent_payloads = (func_blob, payload)
+            with st.cond:  # (lock order: send_lock, then cond, as the reaper takes them)
+                # A retiring worker's chunks are put back while we send: the worker drains this copy unread
+                # (releasing its arguments) and the chunk's fields now belong to its next dispatch.
+                mine = any(c is chunk for c in w.outstanding)
+            if mine:
+                chunk.sent = True
+                if not self._copy_tensor:
+                    chunk.sent_payloads = (func_blob, payload)
             w.sent_jobs.add(job.id)
             w.sent_jobs.difference_update(drops)
