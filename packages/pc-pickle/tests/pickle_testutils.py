@@ -83,3 +83,24 @@ def produce_many(conn: Connection, strategy: str, count: int) -> None:
         conn.send_bytes(pc_pickle.dumps(torch.full((16,), float(i)), copy_tensor=False))
     conn.poll(TIMEOUT)
     conn.close()
+
+
+def produce_and_release(conn: Connection, strategy: str, count: int) -> None:
+    """Child: dump ``count`` share payloads of fresh tensors, never send them, release each, then exit."""
+    torch.multiprocessing.set_sharing_strategy(strategy)
+    payloads = [pc_pickle.dumps(torch.full((16,), float(i)), copy_tensor=False) for i in range(count)]
+    for data in payloads:
+        pc_pickle.release(data)
+    conn.send_bytes(b"released")
+    conn.close()
+
+
+def _refuse_to_load() -> None:
+    raise RuntimeError("the graph was unpickled")
+
+
+class RefusesToLoad:
+    """Pickles fine; unpickling it raises (proves that ``release`` never unpickles the graph)."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse_to_load, ())

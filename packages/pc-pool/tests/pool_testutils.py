@@ -158,3 +158,20 @@ def make_pool_in_task(daemon_flag: bool) -> int:
 
 def failing_initializer() -> None:
     raise OSError("initializer failed on purpose")
+
+
+def misreplying_worker(
+    get: Any, put: Any, initializer: Any = None, initargs: Any = (), maxtasks: Any = None
+) -> None:
+    """A ``BasePool.worker`` hook that answers every task as if it were another chunk (a protocol bug).
+
+    ``initargs[0]`` is the read end of a pipe inherited through fork: each bad reply waits for one byte on it,
+    so the test decides when the pool breaks.
+    """
+    from pc_pool._protocol import K_OK, K_READY
+
+    put(((K_READY, -1, -1, None), None))
+    while (task := get()) is not None:
+        (_, job, chunk, _), blob, *fds = task()
+        os.read(initargs[0], 1)
+        put(((K_OK, job, chunk + 1000, None), blob, *fds))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
 import signal
 import warnings
+import weakref
 from typing import Any
 
 import pool_testutils as tu
@@ -282,3 +284,20 @@ def test_pool_calls_after_terminate_touch_no_foreign_fd() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_pool_is_freed_by_reference_counting_after_terminate() -> None:
+    # The pool's parts hold the pool (its hooks) only in their threads' arguments, which end with the threads:
+    # no reference cycle keeps a finished pool (and what it references) alive until a garbage collection.
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*multi-threaded.*fork.*", category=DeprecationWarning)
+            pool = pc_pool.Pool(2, share_method="cpu")
+        assert pool.map(tu.ident, range(4)) == [0, 1, 2, 3]
+        pool.terminate()
+        ref = weakref.ref(pool)
+        del pool
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -12,11 +12,11 @@ import multiprocessing.pool
 import os
 import pickle
 import signal
-import time
 import warnings
 from typing import Any
 
 import pool_testutils as tu
+import psutil
 import pytest
 
 import pc_pool
@@ -53,10 +53,10 @@ def test_pool_unpicklable_result_is_maybe_encoding_error(any_pool: Any, form: st
 
 
 def _check_sigkill(pool: Any, form: str) -> None:
-    before = time.monotonic()
+    # Reported as WorkerDiedError, not as the call's timeout (multiprocessing.TimeoutError after tu.T): the
+    # death itself ends the wait, no clock is needed to tell.
     with pytest.raises(WorkerDiedError) as info:
         tu.call(pool, form, tu.kill_self, 0)
-    assert time.monotonic() - before < 20, "death was not reported promptly"
     assert info.value.signal == "SIGKILL"
     assert info.value.exitcode is None
     assert info.value.pid is not None
@@ -189,8 +189,12 @@ def test_pool_timeout_then_terminate_fails_every_form(kind: str) -> None:
         for it in iters:
             with pytest.raises(multiprocessing.TimeoutError):
                 it.next(timeout=0.05)
-        start = time.monotonic()
+        pids = [w.process.pid for w in pool._workers if w is not None]
         pool.terminate()
+        # terminate() is bounded: when it returns, its workers (running 30 s sleeps) are gone; and every
+        # wait below ends with PoolTerminatedError, not with its own timeout or a task that finished.
+        assert pids
+        assert not [p for p in pids if _alive(p)], "terminate() returned with workers alive"
         for r in asyncs:
             with pytest.raises(PoolTerminatedError):
                 r.get(tu.T)
@@ -202,7 +206,6 @@ def test_pool_timeout_then_terminate_fails_every_form(kind: str) -> None:
         for fut in syncs:
             with pytest.raises(PoolTerminatedError):
                 fut.result(tu.T)
-        assert time.monotonic() - start < 15, "terminate() was not bounded"
         assert isinstance(PoolTerminatedError(), concurrent.futures.CancelledError)
         with pytest.raises(ValueError, match="Pool not running"):
             pool.apply_async(tu.ident, (1,))
@@ -210,6 +213,13 @@ def test_pool_timeout_then_terminate_fails_every_form(kind: str) -> None:
     finally:
         pool.terminate()
         executor.shutdown(wait=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_pool_initializer_raises_breaks_pool_without_respawn_loop() -> None:

@@ -8,13 +8,23 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 _SCRIPT = textwrap.dedent(
     """
-    import os
+    import os, select, sys, time
     import psutil, torch
     import pc_pool
 
     def double(t):
+        return t * 2
+
+    STARTED_R, STARTED_W = os.pipe()  # inherited by the fork workers: "I hold my arguments and hang"
+
+    def double_or_hang(t):
+        if t[0].item() >= 2:
+            os.write(STARTED_W, b"x")
+            time.sleep(3600)  # running when terminate() comes: never returns
         return t * 2
 
     def ours(pids):
@@ -24,25 +34,40 @@ _SCRIPT = textwrap.dedent(
         torch.multiprocessing.set_sharing_strategy("file_system")
         pids, counts = {os.getpid()}, []
         for _ in range(3):
-            with pc_pool.Pool(2, is_copy_tensor=False, share_method="cpu") as pool:
+            retire = 1 if sys.argv[1] == "retiring" else None
+            with pc_pool.Pool(2, maxtasksperchild=retire, is_copy_tensor=False, share_method="cpu") as pool:
                 pids.update(p.pid for p in psutil.Process().children(recursive=True))
-                result = pool.map_async(double, [torch.full((8,), float(i)) for i in range(40)], chunksize=1)
-                values = result.get(60)
-                assert [v[0].item() for v in values] == [2.0 * i for i in range(40)]
-                del values, result
+                if sys.argv[1] in ("drained", "retiring"):
+                    args = [torch.full((8,), float(i)) for i in range(40)]
+                    result = pool.map_async(double, args, chunksize=1)
+                    values = result.get(60)
+                    assert [v[0].item() for v in values] == [2.0 * i for i in range(40)]
+                    del values, result, args
+                else:  # abandoned: 2 results taken, then terminate() with chunks running and queued
+                    it = pool.imap(double_or_hang, [torch.full((8,), float(i)) for i in range(20)])
+                    assert [next(it)[0].item(), next(it)[0].item()] == [0.0, 2.0]
+                    for _ in range(2):  # both workers run a hanging task (more chunks wait in the pipes)
+                        assert select.select([STARTED_R], [], [], 60)[0], "no worker started a task"
+                        os.read(STARTED_R, 1)
+                    del it
             counts.append(len(ours(pids)))
         print(repr(counts))
     """
 )
 
 
-def test_pool_file_system_share_leaves_no_segments_across_pools(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["drained", "retiring", "abandoned"])
+def test_pool_file_system_share_leaves_no_segments_across_pools(tmp_path: Path, mode: str) -> None:
     # Issue 16: 186 segments per closed pool, growing across pools. The workers' result tensors were kept
     # alive by a reference cycle in dumps until the workers were stopped, so their refcounts never dropped.
+    # "abandoned": terminate() with share payloads nobody loaded (chunks still in the task pipes) and workers
+    # killed while holding arguments: 7, 10, 13 segments after 1, 2, 3 pools before the pool released the
+    # unread payloads and workers unwound on SIGTERM. "retiring": maxtasksperchild=1, so each worker drains
+    # (without loading) the chunks already sent to it when it retires; it now releases them.
     script = tmp_path / "shm_segments_script.py"
     script.write_text(_SCRIPT)
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=170, check=False
+        [sys.executable, str(script), mode], capture_output=True, text=True, timeout=170, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert ast.literal_eval(done.stdout.strip().splitlines()[-1]) == [0, 0, 0]

@@ -33,7 +33,10 @@ if __name__ == "__main__":
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode == "exit":
         sys.exit(0)  # no close/terminate: the atexit finalizer must stop the workers
-    result.get(60)  # Ctrl-C arrives here
+    elif mode == "ctrl-c-join":
+        pool.close()
+        pool.join()  # no timeout: the pending tasks keep it waiting until Ctrl-C arrives here
+    result.get(3600)  # Ctrl-C arrives here; the test gives up long before this timeout could end it
 """
 
 
@@ -92,10 +95,10 @@ def _cleanup(proc: subprocess.Popen[bytes], pids: list[int]) -> None:
     proc.wait(30)
 
 
-def test_pool_ctrl_c_terminates_workers_and_exits_once(tmp_path: pathlib.Path) -> None:
-    proc, pids, err = _run(tmp_path, "ctrl-c")
+@pytest.mark.parametrize("mode", ["ctrl-c", "ctrl-c-join"])
+def test_pool_ctrl_c_terminates_workers_and_exits_once(tmp_path: pathlib.Path, mode: str) -> None:
+    proc, pids, err = _run(tmp_path, mode)
     try:
-        start = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(30)
@@ -104,12 +107,13 @@ def test_pool_ctrl_c_terminates_workers_and_exits_once(tmp_path: pathlib.Path) -
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(3)
             pytest.fail(f"the script did not exit within 30 s of Ctrl-C; its stderr:\n{err.read_text()}")
-        elapsed = time.monotonic() - start
         text = err.read_text()
         assert proc.returncode != 0
         assert text.count("Traceback (most recent call last)") == 1, text
         assert "KeyboardInterrupt" in text
-        assert elapsed < 15, f"Ctrl-C took {elapsed:.1f} s"
+        # The wait ended by the interrupt itself (the script's own waits are an hour or unbounded, so only
+        # the Ctrl-C could end them before proc.wait above gave up), not by a timeout.
+        assert "TimeoutError" not in text, text
         _assert_gone(pids, 5)
     finally:
         _cleanup(proc, pids)

@@ -15,7 +15,7 @@ from pc_pickle._errors import PayloadError
 from pc_pickle._seal import FORMAT_VERSION
 from pc_pickle._tensors import installed_storages, materialize_entry
 
-__all__ = ["FORMAT_VERSION", "Payload", "unpickle"]
+__all__ = ["FORMAT_VERSION", "Payload", "release_outer", "unpickle"]
 
 
 class Payload:
@@ -77,6 +77,35 @@ class _ViewReader:
         return self.read(len(rest) if end < 0 else end + 1)
 
 
+def _file_of(data: bytes | bytearray | memoryview) -> Any:
+    # BytesIO shares a bytes object's buffer; other buffers are read in place rather than copied.
+    return io.BytesIO(data) if type(data) is bytes else _ViewReader(memoryview(data).cast("B"))
+
+
+class _ReleaseUnpickler(_Unpickler):
+    """Reads only the outer payload: its storage table is opened and dropped, the graph is never unpickled."""
+
+    def find_class(self, module_name: str, global_name: str, /) -> Any:
+        if module_name == __name__ and global_name == "_load_payload":
+            return _release_payload
+        return super().find_class(module_name, global_name)
+
+
+def release_outer(data: bytes | bytearray | memoryview) -> None:
+    """Open every storage of a verified payload and drop it at once, without unpickling the object graph.
+
+    Raises:
+        PayloadError: For a stream the unpickler rejects.
+        SharedHandleError: If a share handle cannot be opened (see :func:`pc_pickle.release`).
+    """
+    try:
+        _ReleaseUnpickler(_file_of(data)).load()
+    except PayloadError:
+        raise
+    except (EOFError, pickle.UnpicklingError) as exc:
+        raise PayloadError(f"truncated or corrupt pc_pickle payload ({len(data)} bytes): {exc}") from exc
+
+
 def unpickle(data: bytes | bytearray | memoryview) -> Any:
     """Unpickle one stream with the C unpickler, turning its own errors into :class:`PayloadError`.
 
@@ -91,17 +120,15 @@ def unpickle(data: bytes | bytearray | memoryview) -> Any:
             cannot import. Errors raised by the objects' own code (``__setstate__``, reduce callables)
             propagate unchanged.
     """
-    # BytesIO shares a bytes object's buffer; other buffers are read in place rather than copied.
-    file = io.BytesIO(data) if type(data) is bytes else _ViewReader(memoryview(data).cast("B"))
     try:
-        return _Unpickler(file).load()
+        return _Unpickler(_file_of(data)).load()
     except PayloadError:
         raise
     except (EOFError, pickle.UnpicklingError) as exc:
         raise PayloadError(f"truncated or corrupt pc_pickle payload ({len(data)} bytes): {exc}") from exc
 
 
-def _load_payload(version: int, table: list[tuple[Any, ...]], graph: bytes) -> Any:
+def _check_outer(version: int, table: list[tuple[Any, ...]], graph: bytes) -> None:
     if version != FORMAT_VERSION:
         raise PayloadError(
             f"payload format version {version!r} cannot be read by this pc_pickle, which reads version "
@@ -112,6 +139,18 @@ def _load_payload(version: int, table: list[tuple[Any, ...]], graph: bytes) -> A
             "malformed payload: expected a list and bytes, got "
             f"{type(table).__name__} and {type(graph).__name__}"
         )
+
+
+def _load_payload(version: int, table: list[tuple[Any, ...]], graph: bytes) -> Any:
+    _check_outer(version, table, graph)
     storages = [materialize_entry(entry) for entry in table]
     with installed_storages(storages):
         return unpickle(graph)
+
+
+def _release_payload(version: int, table: list[tuple[Any, ...]], graph: bytes) -> None:
+    _check_outer(version, table, graph)
+    for entry in table:
+        # Opening a share handle takes back what the dump gave it (a segment reference, a dup'd fd); the
+        # storage is dropped at once, so a segment nobody else holds leaves /dev/shm now.
+        materialize_entry(entry)

@@ -33,7 +33,7 @@ import torch
 from pc_pickle._diagnose import find_unpicklable
 from pc_pickle._errors import UnpicklableObjectError
 from pc_pickle._functions import DILL_ONLY_TYPES, needs_by_value, reduce_by_value
-from pc_pickle._payload import Payload, unpickle
+from pc_pickle._payload import Payload, release_outer, unpickle
 from pc_pickle._seal import seal, verify
 from pc_pickle._tensors import StorageTable
 
@@ -333,3 +333,33 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
         view = view.cast("B")
     verify(view)
     return unpickle(data if type(data) is bytes else view)
+
+
+def release(data: bytes | bytearray | memoryview) -> None:
+    """Free what a share payload holds, for a payload that will never be loaded (the producer's cleanup).
+
+    Until it is loaded, a ``copy_tensor=False`` payload holds, for each CPU storage, one reference on its
+    shared-memory segment ('file_system' strategy: the segment stays in ``/dev/shm``, even after every process
+    dropped the tensor) or one dup'd fd in the producer ('file_descriptor'). ``release`` takes them back, in
+    the producer or in any process that could have loaded the payload, by opening each handle and dropping
+    it at once; the object graph is **not** unpickled, so none of the payload's classes or functions run.
+
+    Like a load, a release consumes the payload: release *or* load each share payload, once. A copy payload
+    holds nothing, and releasing one only verifies it.
+
+    Args:
+        data: The payload bytes.
+
+    Raises:
+        TypeError: If ``data`` is not bytes-like.
+        PayloadError: For foreign, truncated or corrupt bytes (as :func:`loads`).
+        SharedHandleError: If a handle cannot be opened: loaded or released already, or ('file_descriptor')
+            the producer is gone, in which case its fds went with it and nothing is left to free.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"release expects bytes, bytearray or memoryview, got {type(data).__qualname__}")
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    verify(view)
+    release_outer(data if type(data) is bytes else view)

@@ -50,7 +50,11 @@ def _materialize(iterable: Iterable[Any]) -> list[Any]:
 
 
 class PoolFrontend:
-    """Mixin with the stdlib pool call API on top of ``_submit``."""
+    """Base class of the process and thread pools: the stdlib pool call API on top of ``_submit``.
+
+    It holds no state of its own: subclasses provide ``_processes``, ``_cache``, ``_check_running``,
+    ``_submit`` and ``_handle_interrupt``.
+    """
 
     _processes: int
     _cache: dict[int, Any]

@@ -1,30 +1,26 @@
 """The result thread of the process pool: starts every worker, reads the result pipes, reaps dead workers.
 
-It blocks in ``multiprocessing.connection.wait`` on the result pipes, the worker sentinels and a wakeup pipe
-(through ``pool_outqueue_get``). When a sentinel fires it drains that worker's pipe, fails the first
-unanswered chunk (the one that was running) with :class:`~pc_pool.WorkerDiedError`, puts the rest back and
-starts a replacement at the same index. It also starts the initial workers, so ``PR_SET_PDEATHSIG``
-(which follows the forking *thread*) fires only when the pool itself is gone.
+:class:`ResultThread` holds explicit references to the :class:`~pc_pool._state.EngineState`, the
+:class:`~pc_pool._workers.WorkerSet` and the pool's hooks (``pool_outqueue_get``, ``repopulate_pool``,
+``maintain_pool``, ``terminate_workers``, ``join_workers``, so a subclass that overrides one is obeyed). It
+blocks in ``multiprocessing.connection.wait`` on the result pipes, the worker sentinels and the wakeup pipe.
+When a sentinel fires it drains that worker's pipe, fails the first unanswered chunk (the one that was
+running) with :class:`~pc_pool.WorkerDiedError`, puts the rest back and starts a replacement at the same
+index. It also starts the initial workers, so ``PR_SET_PDEATHSIG`` (which follows the forking *thread*) fires
+only when the pool itself is gone. A reply that matches no chunk the worker holds breaks the pool.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-from typing import Any
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 from pc_pool import _serial
-from pc_pool._engine import (
-    CLOSE_GRACE,
-    FAST_RTT,
-    NO_CONTEXT,
-    TICK,
-    EngineState,
-    PoolStates,
-    block_sigint_in_this_thread,
-    now,
-)
+from pc_pool._engine import CLOSE_GRACE, FAST_RTT, TICK, PoolStates, block_sigint_in_this_thread, now
+from pc_pool._fdpass import installed_fds
 from pc_pool._protocol import (
     K_ENC,
     K_ERR,
@@ -37,173 +33,225 @@ from pc_pool._protocol import (
     recv_msg,
     unread_bytes,
 )
-from pc_pool._quiet import quiet_numpy_warning_in_children
 from pc_pool._records import Chunk, WorkerHandle
+from pc_pool._state import EngineState
+from pc_pool._workers import WorkerSet
 from pc_pool.errors import PoolTerminatedError, RemoteTraceback, WorkerDiedError
-from pc_pool.worker import worker_main
 
-__all__ = ["CollectorMixin"]
+__all__ = ["PoolHooks", "ResultThread"]
 
 _log = logging.getLogger("pc_pool.pool")
 _MAX_UNREADY_DEATHS = 3  # consecutive deaths before "ready" that break the pool
 
 
-class CollectorMixin(EngineState):
-    """The result-thread side of :class:`~pc_pool.BasePool`."""
+class PoolHooks(Protocol):
+    """The overridable hooks of :class:`~pc_pool.BasePool` that the result thread calls."""
 
-    _unready_deaths = 0
+    def pool_outqueue_get(self, timeout: float) -> list[tuple[int, Any]]: ...  # pragma: no cover
+    def repopulate_pool(self) -> None: ...  # pragma: no cover
+    def maintain_pool(self) -> None: ...  # pragma: no cover
+    def terminate_workers(self) -> None: ...  # pragma: no cover
+    def join_workers(self) -> None: ...  # pragma: no cover
 
-    def _result_loop(self) -> None:
+
+class ResultThread:
+    """The thread that owns the read ends of the result pipes and the lives of the workers.
+
+    Args:
+        state: The pool's engine state.
+        workers: The pool's worker set (starts and closes worker handles).
+        hooks: The pool, for its overridable hooks (held by the thread while it runs, not by this object).
+        copy_tensor: ``False`` (share mode): acknowledge each loaded result so its worker may go on.
+    """
+
+    def __init__(
+        self, state: EngineState, workers: WorkerSet, hooks: PoolHooks, *, copy_tensor: bool
+    ) -> None:
+        self._state = state
+        self._workers = workers
+        self._copy_tensor = copy_tensor
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._close_deadline: float | None = None
+        self._unready_deaths = 0
+        # The hooks (the pool) ride in the thread's arguments, which the thread drops when it ends: no
+        # reference cycle keeps a finished pool from being freed by reference counting.
+        self._thread = threading.Thread(target=self._run, args=(hooks,), name="pc_pool-results", daemon=True)
+
+    # -- control (any thread) --------------------------------------------------------------------------------
+    def start(self, timeout: float) -> BaseException | None:
+        """Start the thread; wait up to ``timeout`` s for the first workers; return why they did not start."""
+        self._thread.start()
+        if not self._started.wait(timeout):
+            return TimeoutError(f"pool workers did not start within {timeout} s")
+        return self._start_error
+
+    def is_alive(self) -> bool:
+        """Whether the thread still runs (it exits once the pool stopped and its workers are gone)."""
+        return self._thread.is_alive()
+
+    def is_current(self) -> bool:
+        """Whether the calling thread is this result thread."""
+        return threading.current_thread() is self._thread
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the thread to exit (no-op if it never started or is the caller)."""
+        if self._thread.ident is not None and not self.is_current():
+            self._thread.join(timeout)
+
+    # -- the thread ------------------------------------------------------------------------------------------
+    def _run(self, hooks: PoolHooks) -> None:
         # Workers are forked from this thread and inherit its signal mask: with SIGINT blocked here, a Ctrl-C
         # that lands between fork and the worker's SIG_IGN stays pending and is then discarded, instead of
         # raising KeyboardInterrupt inside a half-started worker. The main thread still receives Ctrl-C.
         block_sigint_in_this_thread()
+        st = self._state
         try:
-            self.repopulate_pool()
+            hooks.repopulate_pool()
         except BaseException as exc:
             self._start_error = exc
-            self._stopping = True
+            st.stopping = True
         finally:
             self._started.set()
         try:
-            while not self._stopping:
+            while not st.stopping:
                 try:
-                    events = self.pool_outqueue_get(TICK)
+                    events = hooks.pool_outqueue_get(TICK)
                 except TimeoutError:
                     events = []
-                    self.maintain_pool()  # backstop only: sentinels report deaths
+                    hooks.maintain_pool()  # backstop only: sentinels report deaths
                 except OSError:
                     break
                 for index, event in events:
-                    w = self._workers[index]
+                    if self._state.stopping:  # (not st.: mypy narrows that to False here)
+                        self._discard(event)  # terminated or broken meanwhile: nothing more to deliver
+                        continue
+                    w = st.workers[index]
                     if w is None or w.dead:
                         continue
                     if event is None:
-                        self._reap(w)
+                        self.reap(w, hooks)
                     else:
-                        self._handle_reply(w, *event)
-                self._check_closed()
+                        self.handle_reply(w, *event)
+                self._check_closed(hooks)
         except BaseException:  # pragma: no cover - a bug here must not leave callers hanging
             _log.exception("pc_pool result thread crashed; terminating the pool")
-            self._fail_everything(PoolTerminatedError("the pool's result thread crashed"))
+            st.fail_everything(PoolTerminatedError("the pool's result thread crashed"))
         finally:
-            self._shutdown_workers()
+            self._shutdown(hooks)
 
-    def _check_closed(self) -> None:
+    def _check_closed(self, hooks: PoolHooks) -> None:
         """After a drained ``close()``: exit once every worker is gone (killing stragglers after a grace)."""
-        if self._state is not PoolStates.CLOSE or self._jobs:
+        st = self._state
+        if st.state is not PoolStates.CLOSE or st.jobs:
             return
-        with self._cond:
-            self._cond.notify_all()  # feeders send EXIT
-        if all(w is None for w in self._workers):
-            self._stopping = True
+        with st.cond:
+            st.cond.notify_all()  # feeders send EXIT
+        if all(w is None for w in st.workers):
+            st.stopping = True
             return
         if self._close_deadline is None:
             self._close_deadline = now() + CLOSE_GRACE
         elif now() > self._close_deadline:
-            self.terminate_workers()
+            hooks.terminate_workers()
 
-    def _shutdown_workers(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self.terminate_workers()
-        self.join_workers()
-        for w in self._workers:
+    def _shutdown(self, hooks: PoolHooks) -> None:
+        st = self._state
+        with st.cond:
+            st.stopping = True
+            st.cond.notify_all()
+        hooks.terminate_workers()
+        hooks.join_workers()
+        for w in st.workers:
             if w is not None:
-                self._close_handle(w)
-        with self._wake_lock:  # _wake() must never write to a closed (and maybe reused) fd number
-            for fd in (self._wake_r, self._wake_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._wake_w = -1
+                if w.send_lock.acquire(timeout=TICK):  # a feeder mid-send finishes first, then none sends
+                    w.dead = True
+                    w.send_lock.release()
+                if not self._copy_tensor:
+                    self._release_in_flight(w)
+                with st.cond:
+                    w.outstanding.clear()  # their items are the callers' arguments (tensors, shared memory)
+                self._workers.close(w)
+        st.wakeup.close()
 
-    def _close_handle(self, w: WorkerHandle) -> None:
-        w.dead = True
-        if w.send_lock.acquire(timeout=TICK):
-            try:
-                w.task_conn.close()
-            finally:
-                w.send_lock.release()
-        w.result_conn.close()
-        try:
-            w.process.close()
-        except ValueError:  # pragma: no cover - still running after kill + join
-            _log.warning("pool worker pid %s did not exit", w.process.pid)
+    def _discard(self, event: Any) -> None:
+        """Drop a received message that will not be handled, giving back its share handles and fds."""
+        if event is not None:
+            _, blob, fds = event
+            with installed_fds(fds):
+                if not self._copy_tensor:
+                    _serial.release(blob)
 
-    def _start_worker(self, index: int) -> WorkerHandle:
-        task_r, task_w = self._ctx.Pipe(duplex=False)
-        # Share mode: duplex, so the parent can acknowledge each result it loaded (see worker.ResultPutter).
-        result_r, result_w = self._ctx.Pipe(duplex=not self._copy_tensor)
-        try:
-            context = self._worker_context(index)
-            has_ctx = context is not NO_CONTEXT
-            init_blob = _serial.dumps(
-                (self._initializer, self._initargs, has_ctx, context if has_ctx else None),
-                recurse=self._recurse,
-                copy_tensor=self._copy_tensor,
-            )
-            process = self._ctx.Process(  # type: ignore[attr-defined]
-                target=worker_main,
-                args=(
-                    type(self).worker,
-                    task_r,
-                    result_w,
-                    init_blob,
-                    self._copy_tensor,
-                    self._maxtasksperchild,
-                    os.getpid(),
-                ),
-                name=f"pc_pool-worker-{index}",
-                daemon=self._daemon,
-            )
-            with quiet_numpy_warning_in_children():  # spawned workers start with that -W option
-                process.start()
-        except BaseException:
-            for conn in (task_r, task_w, result_r, result_w):
-                conn.close()
-            raise
-        task_r.close()
-        result_w.close()
-        return WorkerHandle(index, process, task_w, result_r)
+    def _release_in_flight(self, w: WorkerHandle) -> None:
+        """Share mode, worker ``w`` is gone: give back the handles of payloads that nobody will load.
+
+        Those are the chunks it never started (their bytes are still in its task pipe) and the replies it sent
+        that were never read; without this their segments ('file_system') stay in ``/dev/shm`` until the
+        last process using torch's shared-memory manager exits.
+        """
+        chunks = list(w.outstanding)
+        running = _running_chunk(chunks, unread_bytes(w.task_conn))
+        _release_all(c.sent_payloads for c in chunks if c.sent and c is not running)
+        with contextlib.suppress(EOFError, OSError):
+            while w.result_conn.poll(0):
+                self._discard(recv_msg(w.result_conn))
+
+    # -- replies ---------------------------------------------------------------------------------------------
+    def handle_reply(
+        self, w: WorkerHandle, header: tuple[Any, ...], blob: bytes | None, fds: Sequence[int] = ()
+    ) -> None:
+        """Act on one message from worker ``w``: readiness, retirement, an init error or a chunk's answer.
+
+        ``fds`` came with the message (share mode, see :mod:`pc_pool._fdpass`): the payload's loads take
+        them; whatever is left is closed here.
+        """
+        with installed_fds(list(fds)):
+            self._handle_reply(w, header, blob)
 
     def _handle_reply(self, w: WorkerHandle, header: tuple[Any, ...], blob: bytes | None) -> None:
+        st = self._state
         kind, job_id, chunk_index, text = header
         if kind == K_READY:
             w.ready = True
             self._unready_deaths = 0
             return
         if kind == K_RETIRE:
-            with self._cond:
+            with st.cond:
                 w.retiring = True
-                self._requeue(w.outstanding)
+                st.requeue(w.outstanding)
                 w.outstanding.clear()
             return
         if kind == K_INIT_ERR:
-            self._break(_load_exception(blob, text))
+            st.break_pool(_load_exception(blob, text), "a worker failed to initialize")
             return
-        with self._cond:
-            chunk = w.outstanding.popleft() if w.outstanding else None
-            w.answered += 1
-            w.fast = chunk is not None and now() - chunk.sent_at < FAST_RTT
-            self._cond.notify_all()
-        if chunk is None or chunk.job.id != job_id or chunk.index != chunk_index:  # pragma: no cover
-            self._ack(w, kind)
-            _log.error(
-                "pc_pool: unexpected reply for job %s chunk %s from worker %s", job_id, chunk_index, w.index
+        with st.cond:
+            chunk = w.outstanding[0] if w.outstanding else None
+            matches = chunk is not None and chunk.job.id == job_id and chunk.index == chunk_index
+            if chunk is not None and matches:
+                w.outstanding.popleft()
+                chunk.sent_payloads = ()  # the worker read them
+                w.answered += 1
+                w.fast = now() - chunk.sent_at < FAST_RTT
+                st.cond.notify_all()
+        if chunk is None or not matches:
+            expected = "nothing" if chunk is None else f"job {chunk.job.id} chunk {chunk.index}"
+            cause = RuntimeError(
+                f"pool worker {w.index} (pid {w.process.pid}) sent a reply for job {job_id} chunk "
+                f"{chunk_index}, but the task it was running is {expected}"
             )
+            st.break_pool(cause, "a worker sent a reply that matches no pending task")
             return
         if kind == K_OK:
             try:
                 values = _serial.loads(blob) if blob is not None else None
             except Exception as exc:
                 self._ack(w, kind)
-                self._deliver(chunk, False, exc)
+                st.deliver(chunk, False, exc)
                 return
             self._ack(w, kind)
-            self._deliver(chunk, True, values)
+            st.deliver(chunk, True, values)
         elif kind in (K_ERR, K_ENC):
-            self._deliver(chunk, False, _load_exception(blob, text))
+            st.deliver(chunk, False, _load_exception(blob, text))
 
     def _ack(self, w: WorkerHandle, kind: int) -> None:
         """Share mode: tell the worker its result is loaded (its fds fetched), so it may run the next chunk.
@@ -215,52 +263,60 @@ class CollectorMixin(EngineState):
             with contextlib.suppress(OSError):  # a dead worker: its reaper is draining what it sent
                 w.result_conn.send_bytes(RESULT_ACK)
 
-    def _reap(self, w: WorkerHandle) -> None:
+    # -- deaths ----------------------------------------------------------------------------------------------
+    def maintain(self, hooks: PoolHooks) -> None:
+        """Reap workers whose process ended (crash or retirement); start replacements through ``hooks``."""
+        for w in list(self._state.workers):
+            if w is not None and not w.dead and w.process.exitcode is not None:
+                self.reap(w, hooks)
+        hooks.repopulate_pool()
+
+    def reap(self, w: WorkerHandle, hooks: PoolHooks) -> None:
         """Worker ``w``'s process ended: read what it left, fail its running chunk, start a replacement."""
+        st = self._state
         try:
-            while True:
+            while not st.stopping:
                 msg = recv_msg(w.result_conn)
                 if msg is not None:
-                    self._handle_reply(w, *msg)
+                    self.handle_reply(w, *msg)
         except (EOFError, OSError):
             pass
         w.process.join(TICK)
         exitcode, pid = w.process.exitcode, w.process.pid
         # A feeder mid-send to the dead worker gets EPIPE and lets go of send_lock.
-        with w.send_lock, self._cond:
+        with w.send_lock, st.cond:
             w.dead = True
             chunks = list(w.outstanding)
             w.outstanding.clear()
-            crashed = not w.retiring and not w.exit_sent and not self._stopping
+            crashed = not w.retiring and not w.exit_sent and not st.stopping
             died = _running_chunk(chunks, unread_bytes(w.task_conn)) if crashed else None
             if died is not None:
                 chunks.remove(died)
-            self._requeue(chunks)
-            self._workers[w.index] = None
-        self._close_handle(w)
+            unread = [c.sent_payloads for c in chunks if c.sent]  # never started: their bytes are in the pipe
+            st.requeue(chunks)
+            st.workers[w.index] = None
+        self._workers.close(w)
+        _release_all(unread)  # re-dispatching dumps the chunks afresh
         if crashed and not w.ready:
             # Died before it was ready: killed during start-up, or an initializer that exits or crashes. Only
             # a run of such deaths with no ready worker in between breaks the pool (no respawn loop).
             self._unready_deaths += 1
             if self._unready_deaths >= _MAX_UNREADY_DEATHS:
-                self._break(WorkerDiedError(pid, exitcode))
+                st.break_pool(WorkerDiedError(pid, exitcode), "workers keep dying before they are ready")
                 return
         if crashed:
             _log.warning(
                 "pc_pool worker %s (pid %s) died with exit code %s; replacing it", w.index, pid, exitcode
             )
-        self.repopulate_pool()
+        hooks.repopulate_pool()
         if died is not None:
-            self._deliver(died, False, WorkerDiedError(pid, exitcode))
+            st.deliver(died, False, WorkerDiedError(pid, exitcode))
 
-    def _deliver(self, chunk: Chunk, success: bool, value: Any) -> None:
-        job = chunk.job
-        if job.result._set(chunk.index, success, value):
-            with self._cond:
-                if self._jobs.pop(job.id, None) is not None:
-                    self._cond.notify_all()
-            if self._state is PoolStates.CLOSE:
-                self._wake()
+
+def _release_all(payload_groups: Iterable[tuple[bytes | None, ...]]) -> None:
+    for payloads in payload_groups:
+        for payload in payloads:
+            _serial.release(payload)
 
 
 def _running_chunk(chunks: list[Chunk], unread: int | None) -> Chunk | None:

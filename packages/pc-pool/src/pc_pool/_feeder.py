@@ -1,10 +1,13 @@
-"""The feeder threads of the process pool: one per worker index, the only writer of that worker's task pipe.
+"""The feeder of the process pool: one thread per worker index, the only writer of that worker's task pipe.
 
-A feeder waits (under ``_cond``) until its worker has fewer than ``WINDOW`` chunks outstanding
-(``FAST_WINDOW`` while the worker answers fast) and a chunk is ready, serializes the chunk *at dispatch*
-(memory stays bounded; share handles are made only for chunks that leave), and sends it. A pickling error
-fails that chunk alone. It also sends the exit request to a retiring worker, or to every worker once a closed
-pool has drained.
+Feeder thread i waits (under the engine's ``cond``) until worker i has fewer than ``WINDOW`` chunks
+outstanding (``FAST_WINDOW`` while it answers fast) and a chunk is ready, serializes the chunk *at dispatch*
+(memory stays bounded; share handles are made only for chunks that leave), and sends it through the pool's
+``pool_inqueue_put`` hook. A pickling error fails that chunk alone. It also sends the exit request to a
+retiring worker, or to every worker once a closed pool has drained.
+
+:class:`Feeder` holds explicit references to what it needs: the :class:`~pc_pool._state.EngineState` and the
+``send`` callable; it owns the function-payload cache.
 """
 
 from __future__ import annotations
@@ -13,57 +16,90 @@ import collections
 import contextlib
 import threading
 import types
+from collections.abc import Callable
+from typing import Any
 
 from pc_pool import _serial
-from pc_pool._engine import (
-    FAST_WINDOW,
-    TICK,
-    WINDOW,
-    EngineState,
-    PoolStates,
-    block_sigint_in_this_thread,
-    now,
-)
+from pc_pool._engine import FAST_WINDOW, TICK, WINDOW, PoolStates, block_sigint_in_this_thread, now
 from pc_pool._protocol import EXIT
 from pc_pool._records import Chunk, Job, WorkerHandle
+from pc_pool._state import EngineState
 
-__all__ = ["FeederMixin"]
+__all__ = ["Feeder"]
 
 _FUNC_CACHE_SIZE = 64
 
 
-class FeederMixin(EngineState):
-    """The feeder side of :class:`~pc_pool.BasePool`."""
+class Feeder:
+    """The feeder threads of one pool.
 
-    _func_cache: collections.OrderedDict[int, tuple[object, bytes]]
-    _func_cache_lock: threading.Lock
+    Args:
+        state: The pool's engine state.
+        send: Writes ``(worker_index, header, payload)`` to that worker's task pipe and returns the bytes
+            written (the pool's ``pool_inqueue_put`` hook).
+        copy_tensor: Copy tensors into payloads (``False``: share them).
+        recurse: Carry the globals of by-value functions by value.
+    """
 
-    def _init_feeder(self) -> None:
-        self._func_cache = collections.OrderedDict()
+    def __init__(
+        self,
+        state: EngineState,
+        send: Callable[[tuple[int, tuple[Any, ...], bytes]], int],
+        *,
+        copy_tensor: bool,
+        recurse: bool,
+    ) -> None:
+        self._state = state
+        self._copy_tensor = copy_tensor
+        self._recurse = recurse
+        self._func_cache: collections.OrderedDict[int, tuple[object, bytes]] = collections.OrderedDict()
         self._func_cache_lock = threading.Lock()
+        self._threads = [
+            # send (bound to the pool) rides in the thread's arguments, dropped when the thread ends: no
+            # reference cycle keeps a finished pool alive.
+            threading.Thread(target=self._feed, args=(i, send), name=f"pc_pool-feeder-{i}", daemon=True)
+            for i in range(state.processes)
+        ]
 
+    def start(self) -> None:
+        """Start one feeder thread per worker index."""
+        for thread in self._threads:
+            thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wake the feeders and wait up to ``timeout`` seconds for each to exit (they exit once stopping)."""
+        with self._state.cond:
+            self._state.cond.notify_all()
+        for thread in self._threads:
+            if thread.ident is not None and thread is not threading.current_thread():
+                thread.join(timeout)
+
+    # -- the thread ------------------------------------------------------------------------------------------
     def _next_action(self, index: int) -> tuple[WorkerHandle, Chunk | None] | None:
-        """Under ``_cond``: wait for something for worker ``index`` to do; ``None`` means the feeder exits."""
+        """Under ``cond``: wait for something for worker ``index`` to do; ``None`` means the feeder exits."""
+        st = self._state
         while True:
-            if self._stopping:
+            if st.stopping:
                 return None
-            w = self._workers[index]
+            w = st.workers[index]
             if w is not None and not w.dead and not w.exit_sent:
-                if w.retiring or (self._state is PoolStates.CLOSE and not self._jobs):
+                if w.retiring or (st.state is PoolStates.CLOSE and not st.jobs):
                     w.exit_sent = True
                     return w, None
                 if len(w.outstanding) < (FAST_WINDOW if w.fast else WINDOW):
-                    dq = self._slot_ready[index] if self._slot_ready[index] else self._ready
+                    dq = st.slot_ready[index] if st.slot_ready[index] else st.ready
                     if dq:
                         chunk = dq.popleft()
                         w.outstanding.append(chunk)
                         return w, chunk
-            self._cond.wait(TICK)
+            # Woken by submit, deliver, a new worker and shutdown; TICK is only a backstop (the tests raise it
+            # to an hour to prove that nothing relies on it).
+            st.cond.wait(TICK)
 
-    def _feed(self, index: int) -> None:
+    def _feed(self, index: int, send: Callable[[tuple[int, tuple[Any, ...], bytes]], int]) -> None:
         block_sigint_in_this_thread()  # Ctrl-C must reach the main thread (see the function's docstring)
         while True:
-            with self._cond:
+            with self._state.cond:
                 action = self._next_action(index)
             if action is None:
                 return
@@ -75,10 +111,11 @@ class FeederMixin(EngineState):
                         with contextlib.suppress(OSError):
                             w.task_conn.send_bytes(EXIT)
             else:
-                self._send_chunk(w, chunk)
+                self._send_chunk(w, chunk, send)
             # Drop our references before waiting: a chunk holds the caller's arguments (shared tensors, fds).
             del w, chunk
 
+    # -- payloads --------------------------------------------------------------------------------------------
     def _dump_func(self, w: WorkerHandle, job: Job) -> bytes | None:
         if job.id in w.sent_jobs:
             return None
@@ -118,31 +155,50 @@ class FeederMixin(EngineState):
             while len(self._func_cache) > _FUNC_CACHE_SIZE:
                 self._func_cache.popitem(last=False)
 
-    def _send_chunk(self, w: WorkerHandle, chunk: Chunk) -> None:
+    def _send_chunk(
+        self, w: WorkerHandle, chunk: Chunk, send: Callable[[tuple[int, tuple[Any, ...], bytes]], int]
+    ) -> None:
+        st = self._state
         job = chunk.job
+        func_blob: bytes | None = None
         try:
             func_blob = self._dump_func(w, job)
             payload = _serial.dumps(chunk.items, recurse=self._recurse, copy_tensor=self._copy_tensor)
         except Exception as exc:
-            with self._cond:
+            if not self._copy_tensor:
+                _serial.release(func_blob)  # dumped for this chunk, never sent
+            with st.cond:
                 try:
                     w.outstanding.remove(chunk)
                 except ValueError:
                     return  # the worker died meanwhile and its reaper already took the chunk back
-                self._cond.notify_all()
-            self._deliver(chunk, False, exc)
+                st.cond.notify_all()
+            st.deliver(chunk, False, exc)
             return
-        # Only this feeder touches w.sent_jobs; a job leaving _jobs concurrently is dropped on the next chunk.
-        drops = tuple(j for j in w.sent_jobs if j not in self._jobs)
+        # Only this feeder touches w.sent_jobs; a job leaving jobs concurrently is dropped on the next chunk.
+        drops = tuple(j for j in w.sent_jobs if j not in st.jobs)
         header = (job.id, chunk.index, job.mode, func_blob, drops)
         with w.send_lock:
-            if w.dead:
-                return
+            sent = False
             try:
-                chunk.sent_at = now()
-                chunk.nbytes = self.pool_inqueue_put((w.index, header, payload))
+                if not w.dead:
+                    chunk.sent_at = now()
+                    chunk.nbytes = send((w.index, header, payload))
+                    sent = True
             except OSError:
-                return  # the worker died; its reaper re-dispatches the unsent chunk
-            chunk.sent = True
+                pass  # the worker died; its reaper re-dispatches the unsent chunk
+            if not sent:
+                if not self._copy_tensor:  # share handles nobody will load: give them back now
+                    _serial.release(func_blob)
+                    _serial.release(payload)
+                return
+            with st.cond:  # (lock order: send_lock, then cond, as the reaper takes them)
+                # A retiring worker's chunks are put back while we send: the worker drains this copy unread
+                # (releasing its arguments) and the chunk's fields now belong to its next dispatch.
+                mine = any(c is chunk for c in w.outstanding)
+            if mine:
+                chunk.sent = True
+                if not self._copy_tensor:
+                    chunk.sent_payloads = (func_blob, payload)
             w.sent_jobs.add(job.id)
             w.sent_jobs.difference_update(drops)

@@ -7,7 +7,9 @@ larger ones follow as a second message, so a 100 MB tensor is never copied into 
 Parent -> worker: ``(job, chunk, mode, func_blob | None, drops)`` + the arguments payload; ``EXIT`` (empty
 bytes) asks the worker to leave. Worker -> parent: ``(kind, job, chunk, text)`` + a payload, where kind is one
 of the ``K_*`` constants. In share mode the parent answers each ``K_OK`` reply on the (duplex) result pipe
-with ``RESULT_ACK`` once it has loaded the result: the worker waits for it before its next chunk.
+with ``RESULT_ACK`` once it has loaded the result: the worker waits for it before its next chunk. Share mode
+with the ``file_descriptor`` strategy: the result's fds follow its message as ``SCM_RIGHTS`` data (see
+:mod:`pc_pool._fdpass`), counted in the envelope ``(header, blob, follows, nfds)``.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import fcntl
 import multiprocessing.pool
 import pickle
 import termios
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
+
+from pc_pool._fdpass import recv_fds, send_fds
 
 __all__ = [
     "EXIT",
@@ -53,20 +58,28 @@ def _framed(n: int) -> int:
     return n + (4 if n <= 0x7FFFFFFF else 12)
 
 
-def send_msg(conn: Connection, header: tuple[Any, ...], blob: bytes | None) -> int:
-    """Send ``header`` and ``blob`` (inline when small, as a second message when large).
+def send_msg(conn: Connection, header: tuple[Any, ...], blob: bytes | None, fds: Sequence[int] = ()) -> int:
+    """Send ``header`` and ``blob`` (inline when small, as a second message when large), then ``fds``.
+
+    ``fds`` (share mode, result pipe only: a Unix socket pair) follow the message as ``SCM_RIGHTS`` ancillary
+    data; the caller still owns (and closes) its copies.
 
     Returns:
-        The number of bytes written to the pipe, framing included.
+        The number of bytes written to the pipe, framing included (fds excluded).
     """
+    nfds = len(fds)
     if blob is not None and len(blob) > _INLINE:
-        head = pickle.dumps((header, None, True), protocol=5)
+        head = pickle.dumps((header, None, True, nfds), protocol=5)
         conn.send_bytes(head)
         conn.send_bytes(blob)
-        return _framed(len(head)) + _framed(len(blob))
-    head = pickle.dumps((header, blob, False), protocol=5)
-    conn.send_bytes(head)
-    return _framed(len(head))
+        sent = _framed(len(head)) + _framed(len(blob))
+    else:
+        head = pickle.dumps((header, blob, False, nfds), protocol=5)
+        conn.send_bytes(head)
+        sent = _framed(len(head))
+    if nfds:
+        send_fds(conn, list(fds))
+    return sent
 
 
 def unread_bytes(conn: Connection) -> int | None:
@@ -79,12 +92,16 @@ def unread_bytes(conn: Connection) -> int | None:
         return None
 
 
-def recv_msg(conn: Connection) -> tuple[tuple[Any, ...], bytes | None] | None:
-    """Receive one message; ``None`` for ``EXIT``. Raises ``EOFError`` when the peer is gone."""
+def recv_msg(conn: Connection) -> tuple[tuple[Any, ...], bytes | None, list[int]] | None:
+    """Receive one message as ``(header, blob, fds)``; ``None`` for ``EXIT``.
+
+    ``fds`` are the file descriptors passed with it (owned by the caller, who must close those it does not
+    hand on). Raises ``EOFError`` when the peer is gone.
+    """
     data = conn.recv_bytes()
     if data == EXIT:
         return None
-    header, blob, follows = pickle.loads(data)
+    header, blob, follows, nfds = pickle.loads(data)
     if follows:
         blob = conn.recv_bytes()
-    return header, blob
+    return header, blob, (recv_fds(conn, nfds) if nfds else [])

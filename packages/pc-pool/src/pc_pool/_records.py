@@ -37,6 +37,9 @@ class Chunk:
     sent: bool = False
     nbytes: int = 0  # bytes this chunk took in the task pipe
     sent_at: float = 0.0
+    # Share mode: the payloads sent (arguments, and the function if it rode along), kept until the chunk is
+    # answered, so that the pool can release them if the worker never reads them (see _serial.release).
+    sent_payloads: tuple[bytes | None, ...] = ()
 
 
 @dataclass(eq=False)

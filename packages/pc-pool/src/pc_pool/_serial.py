@@ -7,16 +7,18 @@ pc_pickle's API touches this file only. ``copy_tensor`` selects copy (tensors tr
 
 from __future__ import annotations
 
+import logging
 import pickle
 from typing import Any
 
 import pc_pickle
 
-__all__ = ["dumps", "loads"]
+__all__ = ["dumps", "loads", "release"]
 
 # Plain data (scalars in lists, tuples and dicts, as most chunks of arguments and results are) takes the C
 # pickle directly: pc_pickle's per-payload setup costs ~15 us against ~1 us, which dominates tiny tasks. A
 # one-byte marker tells loads() which decoder to use (pc_pickle payloads start with the PROTO opcode).
+_log = logging.getLogger("pc_pool")
 _PLAIN = b"\x00"
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None), complex})
 _MAX_DEPTH = 3
@@ -73,3 +75,18 @@ def loads(data: bytes) -> Any:
     if data[:1] == _PLAIN:
         return pickle.loads(memoryview(data)[1:])
     return pc_pickle.loads(data)
+
+
+def release(data: bytes | None) -> None:
+    """Give back what a share payload that will never be loaded holds (best effort, never raises).
+
+    A payload that is not loaded keeps a ``/dev/shm`` segment reference ('file_system') or a dup'd fd in its
+    producer ('file_descriptor') until that process ends; see :func:`pc_pickle.release`. Plain and copy
+    payloads hold nothing.
+    """
+    if data is None or data[:1] == _PLAIN:
+        return
+    try:
+        pc_pickle.release(data)
+    except Exception:  # the producer is gone (its fds went with it), or it was loaded after all
+        _log.debug("pc_pool: releasing an unloaded payload failed", exc_info=True)

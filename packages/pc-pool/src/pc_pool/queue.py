@@ -2,8 +2,19 @@
 
 Items travel through pc_pickle, so lambdas and tensors cross; ``copy_tensor=False`` (the default, as in
 machin) shares tensors, ``True`` copies them. A queue is passed to child processes as a ``Process`` argument
-(it pickles only while spawning). Every ``get`` takes a timeout and raises ``multiprocessing.TimeoutError``
-when it expires.
+(it pickles only while spawning).
+
+Waits and what ends them: ``get(timeout=None)`` waits until an item arrives (the seed's meaning), and also
+ends when
+
+* ``timeout`` seconds pass: ``multiprocessing.TimeoutError``;
+* every write end of the pipe is closed, in every process: ``EOFError``;
+* a process (or sentinel) passed in ``watch=`` ends first: ``EOFError`` naming it. Use it for the peer that
+  should send: this process holds a write end too, so a dead peer alone never closes the pipe;
+* Ctrl-C in the waiting (main) thread: ``KeyboardInterrupt``.
+
+``put`` never waits for a reader, only for pipe space: a reader that stopped reading (or died while another
+process still holds the read end) can block it once the pipe buffer is full.
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import time
+from collections.abc import Iterable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -25,6 +37,34 @@ def _remaining(deadline: float | None) -> float | None:
 
 def _timeout_error(timeout: float | None) -> multiprocessing.TimeoutError:
     return multiprocessing.TimeoutError(f"no item arrived within {timeout} s")
+
+
+def _sentinels(watch: Iterable[Any]) -> dict[Any, Any]:
+    """Map each waitable of ``watch`` (a process's ``sentinel``, an fd, a ``Connection``) to its item."""
+    if isinstance(watch, (str, bytes)) or not hasattr(watch, "__iter__"):
+        raise TypeError(f"watch must be an iterable of processes or sentinels, got {type(watch).__name__}")
+    found: dict[Any, Any] = {}
+    for item in watch:
+        sentinel = getattr(item, "sentinel", item)
+        if isinstance(sentinel, bool) or not (isinstance(sentinel, int) or hasattr(sentinel, "fileno")):
+            raise TypeError(
+                f"watch items must be processes, sentinels (int) or connections, got {type(item).__name__}"
+            )
+        found[sentinel] = item
+    return found
+
+
+def _wait_item(readers: list[Connection], deadline: float | None, timeout: float | None, watch: Any) -> Any:
+    """Wait until one of ``readers`` is readable and return it (see the module's "Waits" list)."""
+    watched = _sentinels(watch)
+    ready = wait([*readers, *watched], _remaining(deadline))
+    for reader in readers:
+        if reader in ready or (ready and reader.poll(0)):  # an item sent before a peer exited still comes
+            return reader
+    if not ready:
+        raise _timeout_error(timeout)
+    names = ", ".join(repr(watched[s]) for s in ready if s in watched)
+    raise EOFError(f"a watched process ended before an item arrived: {names}")
 
 
 class SimpleP2PQueue:
@@ -62,15 +102,20 @@ class SimpleP2PQueue:
         """
         self._writer.send_bytes(_serial.dumps(obj, copy_tensor=self._copy_tensor))
 
-    def get(self, timeout: float | None = None) -> Any:
+    def get(self, timeout: float | None = None, *, watch: Iterable[Any] = ()) -> Any:
         """Get an object from the queue, waiting up to ``timeout`` seconds (``None``: until one arrives).
+
+        Args:
+            timeout: Seconds to wait; ``None`` waits until an item arrives or a wake-up below fires.
+            watch: Processes (or their ``sentinel``) whose end also ends the wait, e.g. the sender.
 
         Raises:
             multiprocessing.TimeoutError: Nothing arrived within ``timeout``.
-            EOFError: Every writer closed the queue.
+            EOFError: Every writer closed the queue, or a watched process ended before an item arrived.
+            TypeError: ``watch`` holds something that is not a process, a sentinel or a connection.
         """
-        if not self._reader.poll(timeout):
-            raise _timeout_error(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        _wait_item([self._reader], deadline, timeout, watch)
         return _serial.loads(self._reader.recv_bytes())
 
     @property
@@ -109,16 +154,21 @@ class SimpleQueue(SimpleP2PQueue):
         with self._wlock:
             self._writer.send_bytes(data)
 
-    def get(self, timeout: float | None = None) -> Any:
+    def get(self, timeout: float | None = None, *, watch: Iterable[Any] = ()) -> Any:
         """Get an object, waiting up to ``timeout`` seconds for the whole call (``None``: until one arrives).
+
+        Args:
+            timeout: Seconds to wait for the whole call; ``None`` waits until an item or a wake-up.
+            watch: Processes (or their ``sentinel``) whose end also ends the wait, e.g. the senders.
 
         Raises:
             multiprocessing.TimeoutError: Nothing arrived within ``timeout``.
+            EOFError: Every writer closed the queue, or a watched process ended before an item arrived.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        watch = list(watch) if not isinstance(watch, (str, bytes)) and hasattr(watch, "__iter__") else watch
         while True:
-            if not self._reader.poll(_remaining(deadline)):
-                raise _timeout_error(timeout)
+            _wait_item([self._reader], deadline, timeout, watch)
             left = _remaining(deadline)
             if not self._rlock.acquire(timeout=-1 if left is None else left):
                 raise _timeout_error(timeout)
@@ -180,14 +230,18 @@ class MultiP2PQueue:
             raise IndexError(f"queue index must be in [0, {len(self.queues)}), got {index}")
         self.queues[index].put(obj)
 
-    def get(self, timeout: float | None = None) -> Any:
+    def get(self, timeout: float | None = None, *, watch: Iterable[Any] = ()) -> Any:
         """Get an object from any queue that has one, waiting up to ``timeout`` seconds.
+
+        Args:
+            timeout: Seconds to wait; ``None`` waits until an item arrives or a wake-up fires.
+            watch: Processes (or their ``sentinel``) whose end also ends the wait, e.g. the senders.
 
         Raises:
             multiprocessing.TimeoutError: Nothing arrived within ``timeout``.
+            EOFError: A watched process ended before an item arrived (or a queue's writers all closed).
         """
         readers = {q.reader: q for q in self.queues}
-        ready = wait(list(readers), timeout)
-        if not ready:
-            raise _timeout_error(timeout)
-        return readers[ready[0]].get(0)  # type: ignore[index]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        reader = _wait_item(list(readers), deadline, timeout, watch)
+        return readers[reader].get(0)

@@ -5,8 +5,20 @@ pool's threads through ``_set(chunk_index, success, value)``; ``_fail(exc)`` fai
 (``terminate()``). Callbacks run in the thread that completes the handle, *before* waiters wake (the stdlib
 order); a callback that raises is logged to ``logging.getLogger("pc_pool")`` and never breaks the pool.
 
-Every wait takes a timeout; ``multiprocessing.TimeoutError`` reports an expired one. A ``KeyboardInterrupt``
-while waiting terminates the owning pool once and propagates.
+Waits and what ends them: ``get``, ``wait`` and ``next`` take a ``timeout`` (``multiprocessing.TimeoutError``
+reports an expired one); ``None`` (the default, the stdlib's meaning) waits for the result, and every failure
+of the pool produces one, so it cannot wait forever on a broken pool:
+
+* the worker running the task dies: :class:`~pc_pool.WorkerDiedError` (the result thread watches every
+  worker's process sentinel);
+* ``terminate()`` (also from another thread, ``with`` exit, interpreter exit):
+  :class:`~pc_pool.PoolTerminatedError`;
+* the pool breaks (an initializer raises, workers keep dying before they are ready, a worker sends a reply
+  that matches no task, the result thread crashes): :class:`~pc_pool.PoolTerminatedError` with the cause;
+* Ctrl-C in the waiting thread: the owning pool is terminated once and ``KeyboardInterrupt`` propagates.
+
+What a ``None`` wait does *not* end is a task that runs forever in a live worker (or, in a thread pool, a
+running call): pass a ``timeout`` where that can happen.
 """
 
 from __future__ import annotations
@@ -85,7 +97,10 @@ class AsyncResult:
         return bool(self._success)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait until the result is available or ``timeout`` seconds pass."""
+        """Wait until the result is available or ``timeout`` seconds pass (``None``: the module's wake-ups).
+
+        It returns, without raising, when the result is a failure too (worker death, ``terminate()``).
+        """
         owner = self._owner
         try:
             self._event.wait(timeout)
@@ -98,8 +113,8 @@ class AsyncResult:
         """Return the result when it arrives.
 
         Args:
-            timeout: Seconds to wait; ``None`` waits until the result or an error arrives (a dead worker or
-                ``terminate()`` always produces an error, so this cannot hang on a broken pool).
+            timeout: Seconds to wait; ``None`` waits until the result or an error arrives (a dead worker,
+                ``terminate()``, a broken pool and Ctrl-C always end it; a task that never returns does not).
 
         Returns:
             The value the function returned.
@@ -246,7 +261,7 @@ class IMapIterator:
         return self._items.pop(self._index)
 
     def next(self, timeout: float | None = None) -> Any:
-        """Return the next result within ``timeout`` seconds.
+        """Return the next result within ``timeout`` seconds (``None``: the module's wake-ups end the wait).
 
         Raises:
             StopIteration: Every result has been returned.

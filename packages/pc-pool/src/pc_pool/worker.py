@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pc_pool import _serial
+from pc_pool._fdpass import close_fds, collecting_fds
 from pc_pool._protocol import (
     K_ENC,
     K_ERR,
@@ -45,7 +46,8 @@ __all__ = ["CtxPoolStorage", "ResultPutter", "TaskGetter", "proxy_ctx_caller", "
 _log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _FUNC_CACHE_SIZE = 32
-_Reply = tuple[tuple[Any, ...], "bytes | None"]
+# (header, payload) or (header, payload, fds): fds (share mode) travel with the message and are closed here.
+_Reply = tuple[Any, ...]
 
 
 class CtxPoolStorage:
@@ -76,10 +78,23 @@ def proxy_ctx_caller(*input_: Any) -> Any:
 # ------------------------------------------------------------------------------------------------------------
 # Replies
 # ------------------------------------------------------------------------------------------------------------
+def _dump_reply(obj: Any, copy_tensor: bool) -> tuple[bytes, list[int]]:
+    """Dump a result or an exception; in share mode also return the fds to pass along (see ``_fdpass``)."""
+    if copy_tensor:
+        return _serial.dumps(obj, copy_tensor=True), []
+    with collecting_fds() as fds:
+        try:
+            return _serial.dumps(obj, copy_tensor=False), fds
+        except BaseException:
+            close_fds(fds)
+            raise
+
+
 def _error_reply(kind: int, job: int, chunk: int, exc: BaseException, copy_tensor: bool) -> _Reply:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        return (kind, job, chunk, tb), _serial.dumps(exc, copy_tensor=copy_tensor)
+        blob, fds = _dump_reply(exc, copy_tensor)
+        return (kind, job, chunk, tb), blob, fds
     except Exception as dump_exc:
         # The exception itself cannot travel: send the stdlib's MaybeEncodingError (reprs only) instead.
         enc = MaybeEncodingError(dump_exc, exc)
@@ -99,6 +114,12 @@ class _Task:
         self.cache = cache
         self.copy_tensor = copy
 
+    def release(self) -> None:
+        """Give back the share handles of the arguments when the chunk will not run (retirement)."""
+        if not self.copy_tensor:
+            _serial.release(self.args_blob)
+        self.args_blob = None
+
     def __call__(self) -> _Reply:
         try:
             func = self.cache[self.job]
@@ -115,11 +136,14 @@ class _Task:
             else:
                 values = [func(*x) for x in items]
         except SystemExit:
+            if self.args_blob is not None:  # SIGTERM before the arguments were loaded: nobody else will
+                self.release()
             raise  # sys.exit in a task ends the worker; the parent reports WorkerDiedError
         except BaseException as exc:
             return _error_reply(K_ERR, self.job, self.chunk, exc, self.copy_tensor)
         try:
-            return (K_OK, self.job, self.chunk, None), _serial.dumps(values, copy_tensor=self.copy_tensor)
+            blob, fds = _dump_reply(values, self.copy_tensor)
+            return (K_OK, self.job, self.chunk, None), blob, fds
         except Exception as exc:
             enc = MaybeEncodingError(exc, values)
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -182,7 +206,8 @@ class TaskGetter:
             os._exit(1)
         if msg is None:
             return None
-        header, blob = msg
+        header, blob, fds = msg
+        close_fds(fds)  # the parent never passes fds to a worker
         job, _, _, func_blob, drops = header
         for dropped in drops:
             self._funcs.pop(dropped, None)
@@ -201,10 +226,10 @@ class TaskGetter:
 class ResultPutter:
     """``put(reply)`` of the worker loop: send one reply to the parent.
 
-    Share mode (``wait_ack``): a result's tensors travel as handles that the parent fetches from this process
-    (``file_descriptor`` strategy) when it loads them, so after each result this waits for the parent's
-    ``RESULT_ACK`` (sent once it has loaded it) before the next chunk can run. A crash in that next chunk then
-    cannot take an already finished result with it. Wake-ups: the ack, or the parent's death (exit).
+    Share mode (``wait_ack``): after each result this waits for the parent's ``RESULT_ACK`` (sent once it has
+    loaded it) before the next chunk can run, so at most one unloaded result per worker is in flight. (Its fds
+    travel with it, see :mod:`pc_pool._fdpass`, so even a kill in that window loses nothing.) Wake-ups: the
+    ack, or the parent's death (exit).
     """
 
     def __init__(self, conn: Connection, wait_ack: bool = False) -> None:
@@ -214,12 +239,19 @@ class ResultPutter:
         self._parent_sentinel = parent.sentinel if parent is not None else None
 
     def __call__(self, reply: _Reply) -> None:
-        """Send ``reply``; exit the process if the parent is gone."""
-        header, blob = reply
+        """Send ``reply``, ``(header, payload)`` or ``(header, payload, fds)``; exit if the parent is gone."""
+        header, blob, *rest = reply
+        fds: list[int] = rest[0] if rest else []
+        sent = False
         try:
-            send_msg(self._conn, header, blob)
+            send_msg(self._conn, header, blob, fds)
+            sent = True
         except (BrokenPipeError, ConnectionResetError):
             os._exit(1)  # the parent is gone
+        finally:
+            close_fds(fds)  # in flight (or lost with the parent): the kernel holds what was sent
+            if not sent and self._wait_ack:  # SIGTERM (terminate) before it left: give its handles back
+                _serial.release(blob)
         if self._wait_ack and header[0] == K_OK:
             self._await_ack()
 
@@ -271,8 +303,27 @@ def worker_loop(
     # parent acknowledges. The parent loads our fd-shared results while we are still alive and re-dispatches
     # the rest.
     put(((K_RETIRE, -1, -1, None), None))
-    while get() is not None:
-        pass
+    while (task := get()) is not None:
+        release = getattr(task, "release", None)
+        if release is not None:
+            release()  # share mode: give back the handles of arguments this worker will never load
+
+
+class _Terminated(SystemExit):
+    """Raised by SIGTERM in a worker; ``worker_main`` catches it once the stack has unwound."""
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # terminate() sends SIGTERM: unwinding (instead of dying at once) drops the shared tensors this worker
+    # holds, so their /dev/shm segments ('file_system') are not left behind; SIGKILL follows after 1 s.
+    raise _Terminated(128 + signum)
+
+
+def _die_of_sigterm() -> None:
+    """Exit as SIGTERM's default action would (exit status -SIGTERM), skipping interpreter clean-up."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(128 + signal.SIGTERM)  # pragma: no cover - not reached
 
 
 def _set_parent_death_signal() -> None:
@@ -306,6 +357,7 @@ def worker_main(
         parent_pid: The pool process; if it is already gone, exit at once.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if hasattr(signal, "pthread_sigmask"):  # blocked by the parent thread that started us (see _collector)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _set_parent_death_signal()
@@ -322,4 +374,10 @@ def worker_main(
         return
     if has_ctx:
         CtxPoolStorage.storage = ctx
-    worker_fn(TaskGetter(task_conn, copy_tensor), put, initializer, tuple(initargs), maxtasks)
+    terminated = False
+    try:
+        worker_fn(TaskGetter(task_conn, copy_tensor), put, initializer, tuple(initargs), maxtasks)
+    except _Terminated:
+        terminated = True
+    if terminated:  # outside the except block: its traceback (and the frames' tensors) are gone by now
+        _die_of_sigterm()

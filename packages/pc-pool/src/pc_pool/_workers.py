@@ -1,0 +1,213 @@
+"""The worker processes of a process pool: starting them, their pipes, waiting on them, stopping them.
+
+:class:`WorkerSet` holds what starting a worker needs (the context, the worker hook, the initializer, the
+tensor mode) and a reference to the :class:`~pc_pool._state.EngineState` whose ``workers`` list it fills. It
+implements the default behaviour of the seed's hooks ``pool_inqueue_put`` (:meth:`send`),
+``pool_outqueue_get`` (:meth:`wait_events`), ``repopulate_pool`` (:meth:`repopulate`), ``terminate_workers``
+and ``join_workers``; :class:`~pc_pool.BasePool` delegates those hooks here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.context
+import os
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+from pc_pool import _serial
+from pc_pool._engine import KILL_GRACE, NO_CONTEXT, TICK, now
+from pc_pool._protocol import recv_msg, send_msg
+from pc_pool._quiet import quiet_numpy_warning_in_children
+from pc_pool._records import WorkerHandle
+from pc_pool._state import EngineState
+from pc_pool.worker import worker_main
+
+__all__ = ["WorkerSet"]
+
+_log = logging.getLogger("pc_pool.pool")
+_MAX_BURST = 256  # messages read from one worker per wake-up, so a chatty worker cannot starve the others
+
+
+class WorkerSet:
+    """Starts, watches and stops the worker processes of one pool.
+
+    Args:
+        state: The pool's engine state (its ``workers`` list holds the handles).
+        ctx: The ``multiprocessing`` context workers are started with.
+        worker_fn: The pool's ``worker`` hook, run in each worker.
+        initializer: Called with ``initargs`` in each worker before its first task.
+        initargs: Arguments of ``initializer``.
+        maxtasks: ``maxtasksperchild``.
+        copy_tensor: Copy tensors (``False``: share them; result pipes are then duplex for the acks).
+        recurse: Carry the globals of by-value functions by value.
+        daemon: Start workers as daemon processes.
+    """
+
+    def __init__(
+        self,
+        state: EngineState,
+        ctx: multiprocessing.context.BaseContext,
+        worker_fn: Callable[..., None],
+        *,
+        initializer: Callable[..., object] | None,
+        initargs: tuple[Any, ...],
+        maxtasks: int | None,
+        copy_tensor: bool,
+        recurse: bool,
+        daemon: bool,
+    ) -> None:
+        self._state = state
+        self._ctx = ctx
+        self._worker_fn = worker_fn
+        self._initializer = initializer
+        self._initargs = initargs
+        self._maxtasks = maxtasks
+        self._copy_tensor = copy_tensor
+        self._recurse = recurse
+        self._daemon = daemon
+
+    # -- starting --------------------------------------------------------------------------------------------
+    def start(self, index: int, context_of: Callable[[int], Any]) -> WorkerHandle:
+        """Start worker ``index`` with a fresh task pipe and result pipe; return its handle.
+
+        ``context_of(index)`` is the worker's context (``CtxPool``) or ``NO_CONTEXT`` (passed per call, not
+        stored: the pool's bound method would make a reference cycle).
+        """
+        task_r, task_w = self._ctx.Pipe(duplex=False)
+        # Share mode: duplex, so the parent can acknowledge each result it loaded (see worker.ResultPutter).
+        result_r, result_w = self._ctx.Pipe(duplex=not self._copy_tensor)
+        try:
+            context = context_of(index)
+            has_ctx = context is not NO_CONTEXT
+            init_blob = _serial.dumps(
+                (self._initializer, self._initargs, has_ctx, context if has_ctx else None),
+                recurse=self._recurse,
+                copy_tensor=self._copy_tensor,
+            )
+            process = self._ctx.Process(  # type: ignore[attr-defined]
+                target=worker_main,
+                args=(
+                    self._worker_fn,
+                    task_r,
+                    result_w,
+                    init_blob,
+                    self._copy_tensor,
+                    self._maxtasks,
+                    os.getpid(),
+                ),
+                name=f"pc_pool-worker-{index}",
+                daemon=self._daemon,
+            )
+            with quiet_numpy_warning_in_children():  # spawned workers start with that -W option
+                process.start()
+        except BaseException:
+            for conn in (task_r, task_w, result_r, result_w):
+                conn.close()
+            raise
+        task_r.close()
+        result_w.close()
+        return WorkerHandle(index, process, task_w, result_r)
+
+    def repopulate(self, context_of: Callable[[int], Any]) -> None:
+        """Start every missing worker index while the pool wants workers (result thread only)."""
+        st = self._state
+        for index in range(st.processes):
+            if st.workers[index] is None and st.wants_workers():
+                w = self.start(index, context_of)
+                with st.cond:
+                    st.workers[index] = w
+                    # Wake the feeders now: a P2PPool's chunks pinned to this index wait for this worker, and
+                    # its feeder would otherwise notice it only at its next periodic check (TICK).
+                    st.cond.notify_all()
+
+    # -- pipes -----------------------------------------------------------------------------------------------
+    def send(self, obj: tuple[int, tuple[Any, ...], bytes]) -> int:
+        """Send ``(worker_index, header, payload)`` to that worker's task pipe; return the bytes written.
+
+        Raises:
+            OSError: The worker is gone.
+        """
+        index, header, payload = obj
+        handle = self._state.workers[index]
+        if handle is None:
+            raise OSError(f"worker {index} is gone")
+        return send_msg(handle.task_conn, header, payload)
+
+    def wait_events(self, timeout: float) -> list[tuple[int, Any]]:
+        """Wait up to ``timeout`` s for worker events: ``(index, (header, payload))``, or ``(index, None)``.
+
+        ``None`` means the worker's process ended (its sentinel fired, or its pipe broke).
+
+        Raises:
+            TimeoutError: Nothing happened within ``timeout``.
+            OSError: The pool is shutting down.
+        """
+        st = self._state
+        if st.stopping:
+            raise OSError("pool is shutting down")
+        handles = [w for w in st.workers if w is not None and not w.dead]
+        by_conn = {w.result_conn: w for w in handles}
+        by_sentinel = {w.process.sentinel: w for w in handles}
+        wake_fd = st.wakeup.fileno
+        ready = wait([*by_conn, *by_sentinel, wake_fd], timeout)
+        if not ready:
+            raise TimeoutError(f"no worker event within {timeout} s")
+        if wake_fd in ready:
+            st.wakeup.drain()
+        events: list[tuple[int, Any]] = []
+        dead: list[WorkerHandle] = []
+        for obj in ready:
+            if obj in by_conn:
+                w = by_conn[obj]
+                try:
+                    for _ in range(_MAX_BURST):
+                        events.append((w.index, recv_msg(w.result_conn)))
+                        if not w.result_conn.poll(0):
+                            break
+                except (EOFError, OSError):
+                    dead.append(w)
+            elif obj in by_sentinel:
+                dead.append(by_sentinel[obj])
+        events.extend((w.index, None) for w in dict.fromkeys(dead))
+        return events
+
+    # -- stopping --------------------------------------------------------------------------------------------
+    def close(self, w: WorkerHandle) -> None:
+        """Mark ``w`` dead and close its pipes and process object (after it exited)."""
+        w.dead = True
+        if w.send_lock.acquire(timeout=TICK):
+            try:
+                w.task_conn.close()
+            finally:
+                w.send_lock.release()
+        w.result_conn.close()
+        try:
+            w.process.close()
+        except ValueError:  # pragma: no cover - still running after kill + join
+            _log.warning("pool worker pid %s did not exit", w.process.pid)
+
+    def terminate_all(self) -> None:
+        """SIGTERM every live worker, then SIGKILL those still alive after ``KILL_GRACE`` seconds."""
+        live = [w for w in self._state.workers if w is not None and w.process.exitcode is None]
+        for w in live:
+            with contextlib.suppress(OSError, ValueError):  # already gone
+                w.process.terminate()
+        pending = {w.process.sentinel: w for w in live}
+        deadline = now() + KILL_GRACE
+        while pending and (left := deadline - now()) > 0:
+            for sentinel in wait(list(pending), left):
+                pending.pop(sentinel)  # type: ignore[arg-type]
+        for w in pending.values():
+            w.process.kill()
+
+    def join_all(self) -> None:
+        """Wait for every worker to exit (``KILL_GRACE`` seconds each, then SIGKILL)."""
+        for w in self._state.workers:
+            if w is not None:
+                w.process.join(KILL_GRACE)
+                if w.process.exitcode is None:
+                    w.process.kill()
+                    w.process.join(TICK)
