@@ -7,7 +7,8 @@ and reported, never checked here.
 
 Scenarios:
     basic: World, a world-wide and a cross-host collective group, an RPC group (rpc_sync, pair, register,
-        barrier), then stop.
+        barrier), the training checks of multihost_checks.py (DataParallel, DASO, the gradient server),
+        then stop.
     fault: warm up, wait for ``go``, then rpc_sync(timeout=CALL) to the same local rank on the next host and
         an all_reduce (group timeout CALL), a ``pair`` and a ``barrier(timeout=CALL)``; record what each
         raised and how long it took, then World.stop().
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from multihost_checks import run_checks
 
 from pc_distributed import World
 
@@ -41,12 +43,13 @@ ENV_KEYS = (
     "ROLE_RANK",
     "MASTER_ADDR",
     "TORCHELASTIC_RESTART_COUNT",
+    "PC_MH_HOST",
 )
 
 
 def whoami(tag: str) -> str:
-    """Return where this ran: ``tag@host<GROUP_RANK>:rank<RANK>`` (called through RPC)."""
-    return f"{tag}@host{os.environ['GROUP_RANK']}:rank{os.environ['RANK']}"
+    """Return where this ran: ``tag@host<GROUP_RANK>:rank<RANK>:ns<namespace>`` (called through RPC)."""
+    return f"{tag}@host{os.environ['GROUP_RANK']}:rank{os.environ['RANK']}:ns{os.environ['PC_MH_HOST']}"
 
 
 def _echo(x: Any) -> Any:
@@ -60,8 +63,9 @@ def _write(out: Path, rank: int, obs: dict[str, Any]) -> None:
 
 
 def basic(out: Path) -> None:
-    """World, collectives and RPC across hosts."""
+    """World, collectives and RPC across hosts, then the training checks (multihost_checks.py)."""
     rank = int(os.environ["RANK"])
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
     world = World(name=f"w{rank}", dist_timeout=60, rpc_timeout=60)
     obs: dict[str, Any] = {"env": {k: os.environ.get(k) for k in ENV_KEYS}}
     obs["rank"], obs["world_size"] = world.rank, world.world_size
@@ -72,8 +76,8 @@ def basic(out: Path) -> None:
     t = torch.tensor([float(rank + 1)])
     everyone.all_reduce(t)
     obs["all_reduce"] = t.item()
-    # A sub-group of one rank per host: local rank 1 of host 0 and local rank 0 of host 1 (ranks 1 and 2).
-    cross = world.create_collective_group([1, 2], timeout=60)
+    # A sub-group of one rank on each of the first two hosts: host 0's last local rank, host 1's first.
+    cross = world.create_collective_group([local - 1, local], timeout=60)
     if cross.is_member():
         u = torch.tensor([float(10 * rank)])
         cross.all_reduce(u)
@@ -82,14 +86,15 @@ def basic(out: Path) -> None:
     everyone.all_gather(gathered, torch.tensor([float(rank)]))
     obs["all_gather"] = [g.item() for g in gathered]
     group = world.create_rpc_group("g", world.get_members())
-    peer = f"w{(rank + 2) % size}"  # the same local rank on the other host
-    obs["rpc_sync"] = group.rpc_sync(peer, whoami, args=("hi",), timeout=30)
+    peer = (rank + local) % size  # the same local rank on the next host
+    obs["rpc_sync"] = group.rpc_sync(f"w{peer}", whoami, args=("hi",), timeout=30)
     group.pair(f"value{rank}", {"from": rank})
     group.register(f"svc{rank}", _echo)
     group.barrier(timeout=60)
-    obs["get_paired"] = group.get_paired(f"value{(rank + 2) % size}").to_here()
-    obs["registered_sync"] = group.registered_sync(f"svc{(rank + 2) % size}", args=(rank,), timeout=30)
+    obs["get_paired"] = group.get_paired(f"value{peer}").to_here()
+    obs["registered_sync"] = group.registered_sync(f"svc{peer}", args=(rank,), timeout=30)
     group.barrier(timeout=60)
+    obs["checks"] = run_checks(rank, size, group)
     start = time.monotonic()
     world.stop(timeout=30)
     obs["stop_s"] = time.monotonic() - start

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import multihost_checks as checks
 import multihost_worker as worker
 import pytest
 from multihost import SimHosts, TorchrunJob, unavailable_reason, wait_for
@@ -62,32 +64,125 @@ def _results(out: Path, ranks: list[int], key: str, job: TorchrunJob, timeout: f
     return {r: json.loads(f.read_text()) for r, f in files.items()}
 
 
-def test_world_collectives_and_rpc_across_two_hosts(hosts: SimHosts, tmp_path: Path) -> None:
-    job = TorchrunJob(hosts, [WORKER, "basic", str(tmp_path)], tmp_path, nproc_per_node=PER_HOST)
-    obs = _results(tmp_path, list(range(SIZE)), "stop_s", job, START + 60)
-    assert job.wait(60) == [0] * HOSTS, job.all_logs()
+@dataclass
+class Healthy:
+    """One healthy job's observations: every rank's JSON, by rank."""
+
+    hosts: int
+    rdzv: str
+    addrs: list[str]
+    obs: dict[int, Any]
+    logs: str
+
+    @property
+    def size(self) -> int:
+        return self.hosts * PER_HOST
+
+    def ns(self, rank: int) -> int:
+        """The namespace (simulated host) rank ``rank`` ran in."""
+        return int(self.obs[rank]["env"]["PC_MH_HOST"])
+
+    def check(self, rank: int, name: str) -> dict[str, Any]:
+        got = self.obs[rank]["checks"].get(name)
+        assert got is not None, f"rank {rank} did not run check {name}\n{self.logs}"
+        assert "error" not in got, f"rank {rank}, check {name}: {got}\n{self.logs}"
+        return got  # type: ignore[no-any-return]
+
+
+# 2 hosts with torchrun's static rendezvous (--master_addr/--node_rank), 3 with the c10d rendezvous.
+TOPOLOGIES = [(2, "static"), (3, "c10d")]
+
+
+@pytest.fixture(scope="module", params=TOPOLOGIES, ids=[f"{n}hosts-{r}" for n, r in TOPOLOGIES])
+def healthy(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Healthy:
+    """Run the ``basic`` scenario (World, collectives, RPC, then the training checks) once per topology."""
+    n, rdzv = request.param
+    out = tmp_path_factory.mktemp(f"healthy{n}{rdzv}")
+    with SimHosts(n) as sim:
+        job = TorchrunJob(sim, [WORKER, "basic", str(out)], out, nproc_per_node=PER_HOST, rdzv=rdzv)
+        obs = _results(out, list(range(n * PER_HOST)), "stop_s", job, START + 60 * n)
+        codes = job.wait(60)
+        assert codes == [0] * n, job.all_logs()
+        return Healthy(n, rdzv, [sim.addr(i) for i in range(n)], obs, job.all_logs())
+
+
+def test_world_collectives_and_rpc_across_hosts(healthy: Healthy) -> None:
+    size, obs = healthy.size, healthy.obs
     for rank, o in obs.items():
         host, local = divmod(rank, PER_HOST)
+        group_zero_ns = healthy.ns(0)
         assert o["env"] == {
             "RANK": str(rank),
-            "WORLD_SIZE": str(SIZE),
+            "WORLD_SIZE": str(size),
             "LOCAL_RANK": str(local),
             "LOCAL_WORLD_SIZE": str(PER_HOST),
             "GROUP_RANK": str(host),
             "ROLE_RANK": str(rank),
-            "MASTER_ADDR": hosts.addr(0),
+            "MASTER_ADDR": healthy.addrs[group_zero_ns],
             "TORCHELASTIC_RESTART_COUNT": "0",
-        }
-        assert (o["rank"], o["world_size"]) == (rank, SIZE)
-        assert o["members"] == o["name_of"] == [f"w{r}" for r in range(SIZE)]
-        assert o["all_reduce"] == sum(range(1, SIZE + 1))
-        assert o["all_gather"] == [float(r) for r in range(SIZE)]
-        assert ("cross_all_reduce" in o) == (rank in (1, 2))
-        peer = (rank + PER_HOST) % SIZE
-        assert o["rpc_sync"] == f"hi@host{1 - host}:rank{peer}"  # answered on the other host
+            "PC_MH_HOST": o["env"]["PC_MH_HOST"],
+        }, healthy.logs
+        if healthy.rdzv == "static":
+            assert healthy.ns(rank) == host  # --node_rank orders the hosts
+        assert healthy.ns(rank) == healthy.ns(host * PER_HOST)  # a node's ranks share its host
+        assert (o["rank"], o["world_size"]) == (rank, size)
+        assert o["members"] == o["name_of"] == [f"w{r}" for r in range(size)]
+        assert o["all_reduce"] == sum(range(1, size + 1))
+        assert o["all_gather"] == [float(r) for r in range(size)]
+        assert ("cross_all_reduce" in o) == (rank in (PER_HOST - 1, PER_HOST))
+        peer = (rank + PER_HOST) % size
+        assert healthy.ns(peer) != healthy.ns(rank)
+        assert o["rpc_sync"] == f"hi@host{peer // PER_HOST}:rank{peer}:ns{healthy.ns(peer)}"  # the other host
         assert o["get_paired"] == {"from": peer}
         assert o["registered_sync"] == rank
+    # every simulated host ran one node
+    assert sorted({healthy.ns(r) for r in obs}) == list(range(healthy.hosts))
     assert obs[1]["cross_all_reduce"] == obs[2]["cross_all_reduce"] == 10.0 * (1 + 2)
+
+
+def test_data_parallel_across_hosts_equals_single_process_sgd(healthy: Healthy) -> None:
+    for rank in healthy.obs:
+        errs = healthy.check(rank, "data_parallel")
+        assert errs["blocking"] < 1e-6, errs
+        assert errs["nonblocking"] < 1e-6, errs
+
+
+def test_daso_nodes_are_the_hosts(healthy: Healthy) -> None:
+    first = healthy.check(0, "daso")
+    assert first["phases"][0] == [0, 0, 0]  # warm-up: blocking
+    assert first["phases"][1][0] == 2  # cycling: global exchanges every max_global_skips batches
+    assert first["phases"][-1] == [0, 0, 0]  # cool-down
+    assert first["losses"][-1] < first["losses"][0], first["losses"]
+    for rank in healthy.obs:
+        got = healthy.check(rank, "daso")
+        host, local = divmod(rank, PER_HOST)
+        # node and local rank from torchrun's GROUP_RANK / LOCAL_RANK; nothing simulated
+        assert got["topology"] == [host, local, PER_HOST, healthy.hosts], got
+        assert got["local_group_hosts"] == [host] * PER_HOST  # a node-local group is one host's ranks
+        assert got["column_group_hosts"] == list(range(healthy.hosts))  # the global exchange spans the hosts
+        assert got["agree"] == [True] * len(got["phases"]), "ranks differ after an epoch"
+        assert got["phases"] == first["phases"]
+
+
+def test_grad_server_primary_on_one_host_clients_on_the_others(healthy: Healthy) -> None:
+    clients = list(range(PER_HOST, healthy.size))  # every rank off host 0
+    primary = healthy.check(0, "grad_server")
+    assert primary["role"] == ["primary"]
+    assert healthy.check(1, "grad_server")["role"] == ["secondary"]
+    assert healthy.check(PER_HOST, "grad_server")["role"] == ["secondary", "client"]
+    expected = checks.expected_server_weights(clients)
+    assert primary["weights"] == expected  # integer gradients, SGD lr 1, sum: exactly minus what was applied
+    assert primary["balanced"], primary
+    total = primary["ledger_total"]
+    pushes = checks.SERVER_PUSHES * len(clients)
+    assert (total["accepted"], total["applied"], total["refused_stale"]) == (pushes, pushes, 0), total
+    assert sum(v for k, v in total.items() if k.startswith("dropped")) == 0, total
+    for rank in clients:
+        got = healthy.check(rank, "grad_server")
+        assert got["accepted"] == checks.SERVER_PUSHES
+        assert primary["ledger_clients"][got["client_id"]]["applied"] == checks.SERVER_PUSHES
+        assert got["pulled"] == expected  # the final model, pulled from host 0
+    assert len(primary["ledger_clients"]) == len(clients)
 
 
 def _fault_job(hosts: SimHosts, out: Path, scenario: str = "fault") -> TorchrunJob:
@@ -174,7 +269,7 @@ def test_partition_healed_before_the_timeout_lets_the_job_continue(hosts: SimHos
         assert o["rpc_sync"] == {
             **o["rpc_sync"],
             "ok": True,
-            "result": repr(f"fault@host{1 - rank // PER_HOST}:rank{peer}"),
+            "result": repr(f"fault@host{1 - rank // PER_HOST}:rank{peer}:ns{1 - rank // PER_HOST}"),
         }, o
         assert o["all_reduce"]["ok"], o
         assert o["all_reduce_value"] == SIZE, o
