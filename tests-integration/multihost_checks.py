@@ -28,7 +28,20 @@ from torch import nn
 
 from pc_distributed import DASO, DataParallel, DataParallelMultiGPU, DataParallelOptimizer, RpcGroup
 
-__all__ = ["CHECKS", "DP_STEPS", "SERVER_PUSHES", "run_checks"]
+__all__ = [
+    "CHECKS",
+    "DP_STEPS",
+    "ELASTIC_B",
+    "ELASTIC_CHECKPOINT",
+    "ELASTIC_STEPS",
+    "SERVER_PUSHES",
+    "elastic_batches",
+    "elastic_loss",
+    "elastic_net",
+    "elastic_oracle",
+    "elastic_sgd",
+    "run_checks",
+]
 
 B = 3  # samples per rank and step
 DP_STEPS = 3
@@ -44,11 +57,11 @@ def _net(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
 
 
-def _batches(size: int) -> list[tuple[torch.Tensor, ...]]:
+def _batches(size: int, steps: int = DP_STEPS) -> list[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(1234)
     return [
         tuple(torch.randn(size * B, d, generator=g, dtype=torch.float64) for d in (6, 3, 3))
-        for _ in range(DP_STEPS)
+        for _ in range(steps)
     ]
 
 
@@ -60,11 +73,11 @@ def _sgd(net: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
 
 
-def _oracle(size: int) -> list[torch.Tensor]:
+def _oracle(size: int, steps: int = DP_STEPS) -> list[torch.Tensor]:
     """Single-process SGD on the full batches."""
     net = _net(1)
     opt = _sgd(net)
-    for x, y, u in _batches(size):
+    for x, y, u in _batches(size, steps):
         opt.zero_grad()
         _loss(net(x), y, u).backward()
         opt.step()
@@ -89,6 +102,37 @@ def data_parallel(rank: int, size: int) -> dict[str, Any]:
         out["blocking" if blocking else "nonblocking"] = err
         dp.remove_hooks()
     return out
+
+
+# -- the elastic restart (multihost_worker.py's ``elastic`` scenario): the same model, data and optimizer ---
+ELASTIC_B = B
+ELASTIC_STEPS = 6
+ELASTIC_CHECKPOINT = 3  # steps before rank 0's checkpoint (and the kill)
+
+
+def elastic_net(rank: int) -> nn.Module:
+    """Rank ``rank``'s replica before DataParallel broadcasts rank 0's."""
+    return _net(1 if rank == 0 else 100 + rank)
+
+
+def elastic_sgd(net: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum (state a restart must restore)."""
+    return _sgd(net)
+
+
+def elastic_batches(size: int) -> list[tuple[torch.Tensor, ...]]:
+    """The full batches of every step (rank ``r`` trains on rows ``r*B`` to ``(r+1)*B``)."""
+    return _batches(size, ELASTIC_STEPS)
+
+
+def elastic_loss(out: torch.Tensor, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The loss of every step."""
+    return _loss(out, y, u)
+
+
+def elastic_oracle(size: int) -> list[list[float]]:
+    """The uninterrupted result: single-process SGD over every step, flattened per parameter."""
+    return [p.reshape(-1).tolist() for p in _oracle(size, ELASTIC_STEPS)]
 
 
 # -- DASO ---

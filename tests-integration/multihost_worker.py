@@ -12,6 +12,10 @@ Scenarios:
     fault: warm up, wait for ``go``, then rpc_sync(timeout=CALL) to the same local rank on the next host and
         an all_reduce (group timeout CALL), a ``pair`` and a ``barrier(timeout=CALL)``; record what each
         raised and how long it took, then World.stop().
+    elastic: under ``torchrun --max_restarts=1``: DataParallel trains ELASTIC_STEPS steps; after
+        ELASTIC_CHECKPOINT steps rank 0 saves model and optimizer to ``<out_dir>/ckpt.pt``, every rank writes
+        ``checkpointed<r>`` and waits for ``go`` (the test kills one host's workers first); the restarted
+        workers resume from the checkpoint and finish.
     heal: the same with HEAL_CALL; each rank writes ``calling<r>`` before its calls (the test heals the
         partition once all have), and the calls are expected to complete.
 """
@@ -26,9 +30,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from multihost_checks import run_checks
+from multihost_checks import (
+    ELASTIC_B,
+    ELASTIC_CHECKPOINT,
+    ELASTIC_STEPS,
+    elastic_batches,
+    elastic_loss,
+    elastic_net,
+    elastic_sgd,
+    run_checks,
+)
 
-from pc_distributed import World
+from pc_distributed import DataParallel, DataParallelOptimizer, World
 
 CALL = 5.0  # seconds of the faulted rpc_sync and all_reduce
 HEAL_CALL = 60.0  # the same, in the scenario whose partition heals before the timeout
@@ -154,13 +167,57 @@ def fault(out: Path, call: float = CALL) -> None:
     os._exit(0)  # leave at once: torch's atexit handlers could wait on the lost peers
 
 
+def elastic(out: Path) -> None:
+    """Train with DataParallel; checkpoint; (first attempt) wait to be killed; (restart) resume and finish."""
+    rank = int(os.environ["RANK"])
+    size = int(os.environ["WORLD_SIZE"])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    world = World(name=f"w{rank}", dist_timeout=DIST_TIMEOUT, rpc_timeout=30)
+    ckpt = out / "ckpt.pt"
+    net = elastic_net(rank)
+    sgd = elastic_sgd(net)
+    start = 0
+    if ckpt.exists():  # every rank resumes from what rank 0 saved (the hosts share this path)
+        state = torch.load(ckpt)
+        net.load_state_dict(state["model"])
+        sgd.load_state_dict(state["optimizer"])  # momentum buffers: every rank needs them
+        start = state["step"]
+    opt = DataParallelOptimizer(sgd)
+    dp = DataParallel(net, optimizer=opt, blocking_parameter_updates=True)
+    obs: dict[str, Any] = {"rank": rank, "attempt": attempt, "start": start}
+    _write(out, rank, obs)  # the test sees every attempt begin
+    batches = elastic_batches(size)
+    sl = slice(rank * ELASTIC_B, (rank + 1) * ELASTIC_B)
+    for step in range(start, ELASTIC_STEPS):
+        x, y, u = batches[step]
+        opt.zero_grad()
+        elastic_loss(dp(x[sl]), y[sl], u[sl]).backward()
+        opt.step()
+        if step + 1 == ELASTIC_CHECKPOINT and attempt == 0:
+            if rank == 0:
+                tmp = out / ".ckpt.pt"
+                torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}, tmp)
+                tmp.replace(ckpt)  # atomic: a restart never reads half a checkpoint
+            world.create_collective_group(list(range(size)), timeout=60).barrier()
+            (out / f"checkpointed{rank}").write_text("1")  # the test's trigger: the kill follows
+            deadline = time.monotonic() + 120
+            while not (out / "go").exists():  # written after the kill: host 1 dies here, host 0 goes on
+                if time.monotonic() > deadline:
+                    raise SystemExit("no go from the test in 120 s")
+                time.sleep(0.05)
+    obs["params"] = [p.detach().reshape(-1).tolist() for p in net.parameters()]
+    obs["done"] = True
+    world.stop(timeout=30)
+    _write(out, rank, obs)
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     if scenario == "heal":
         fault(out, HEAL_CALL)
     else:
-        {"basic": basic, "fault": fault}[scenario](out)
+        {"basic": basic, "fault": fault, "elastic": elastic}[scenario](out)
 
 
 if __name__ == "__main__":

@@ -54,8 +54,15 @@ def hosts() -> Iterator[SimHosts]:
 def _results(out: Path, ranks: list[int], key: str, job: TorchrunJob, timeout: float) -> dict[int, Any]:
     files = {r: out / f"rank{r}.json" for r in ranks}
 
-    def complete() -> bool:
+    def reported() -> bool:
         return all(f.exists() and key in json.loads(f.read_text()) for f in files.values())
+
+    def complete() -> bool:
+        if reported():
+            return True
+        if all(p.poll() is not None for p in job.procs) and not reported():  # nothing more will come
+            raise AssertionError(f"torchrun exited before ranks {ranks} reported {key!r}\n{job.all_logs()}")
+        return False
 
     try:
         wait_for(complete, timeout, f"ranks {ranks} to report {key!r}")
@@ -276,3 +283,41 @@ def test_partition_healed_before_the_timeout_lets_the_job_continue(hosts: SimHos
         assert o["pair"]["ok"], o
         assert o["barrier"]["ok"], o
         assert o["stop"]["ok"], o
+
+
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_elastic_restart_resumes_from_the_checkpoint(hosts: SimHosts, tmp_path: Path, rdzv: str) -> None:
+    """``torchrun --max_restarts=1``: host 1's workers SIGKILLed after rank 0's checkpoint; the job restarts,
+    resumes from it, and ends where an uninterrupted run ends."""
+    job = TorchrunJob(
+        hosts,
+        [WORKER, "elastic", str(tmp_path)],
+        tmp_path,
+        nproc_per_node=PER_HOST,
+        rdzv=rdzv,
+        max_restarts=1,
+    )
+    try:
+        wait_for(
+            lambda: all((tmp_path / f"checkpointed{r}").exists() for r in range(SIZE)),
+            START,
+            "the checkpoint",
+        )
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{job.all_logs()}") from None
+    assert (tmp_path / "ckpt.pt").exists()
+    killed = job.kill_workers(1)  # the event: every rank has written its marker after the checkpoint
+    assert len(killed) == PER_HOST, killed
+    (tmp_path / "go").write_text("1")  # host 0's workers go on, find their peers dead and fail
+    obs = _results(tmp_path, list(range(SIZE)), "done", job, START + 120)
+    assert job.wait(120) == [0] * HOSTS, job.all_logs()
+    expected = checks.elastic_oracle(SIZE)
+    for rank, o in obs.items():
+        assert o["attempt"] == 1, (o, job.all_logs())  # the restarted workers finished the job
+        assert o["start"] == checks.ELASTIC_CHECKPOINT, o  # ... resuming from the checkpoint
+        err = max(
+            abs(a - b)
+            for got, ref in zip(o["params"], expected, strict=True)
+            for a, b in zip(got, ref, strict=True)
+        )
+        assert err < 1e-6, (rank, err)  # = the uninterrupted run (single-process SGD over every step)

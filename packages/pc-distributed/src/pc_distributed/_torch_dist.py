@@ -9,12 +9,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+import uuid
 import warnings
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
+from urllib.parse import parse_qsl, urlparse
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+from torch.distributed.rendezvous import register_rendezvous_handler
 
 __all__ = [
     "Store",
@@ -23,6 +28,7 @@ __all__ = [
     "master_store",
     "open_store",
     "prefix_store",
+    "rpc_url_for_store",
     "shutdown_rpc",
     "start_rpc",
     "store_client",
@@ -82,6 +88,39 @@ def master_store(host: str, port: int, world_size: int, timeout: float) -> Any:
 def prefix_store(prefix: str, store: Any) -> Any:
     """A view of ``store`` whose keys are prefixed by ``prefix``."""
     return _PrefixStore(prefix, store)
+
+
+_SCHEME = "pcworldstore"
+_HANDED: dict[str, Any] = {}
+_HANDED_LOCK = threading.Lock()
+_registered = False
+
+
+def _handed_store(url: str, **_kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+    parsed = urlparse(url)
+    query = dict(parse_qsl(parsed.query))
+    with _HANDED_LOCK:
+        store = _HANDED.pop(parsed.netloc, None)
+    if store is None:
+        raise RuntimeError(f"no store handed over under {url!r} (each is used once)")
+    yield store, int(query["rank"]), int(query["world_size"])
+    raise RuntimeError("a World's RPC store cannot re-rendezvous")
+
+
+def rpc_url_for_store(store: Any) -> str:
+    """An init method for RPC that hands it ``store`` itself (once): a prefixed view of the World's store.
+
+    torch.distributed.rpc opens its store from a URL; through a rendezvous handler registered here (torch's
+    public ``register_rendezvous_handler``), RPC uses the store we give it, keys scoped as we choose.
+    """
+    global _registered
+    with _HANDED_LOCK:
+        if not _registered:  # on first use: importing pc_distributed changes no torch state
+            register_rendezvous_handler(_SCHEME, _handed_store)  # type: ignore[no-untyped-call]
+            _registered = True
+        token = uuid.uuid4().hex
+        _HANDED[token] = store
+    return f"{_SCHEME}://{token}"
 
 
 def store_port(store: Any) -> int | None:

@@ -158,11 +158,20 @@ class World:
             if self.init_dist:
                 # The process group's store waits (gloo's rendezvous of every new group) get their own client.
                 pg_store = _torch_dist.store_client(raw, self.dist_timeout) or raw
+                if spec.agent_store:  # torchrun's store outlives a restart: scope the group's keys to it
+                    pg_store = _torch_dist.prefix_store(f"{prefix}/pg", pg_store)
                 _torch_dist.init_pg(
                     pg_store, self.dist_backend, self.rank, self.world_size, self.dist_timeout
                 )
                 undo.append(_torch_dist.destroy_pg)
             if self.init_rpc:
+                if spec.agent_store and rpc_url == spec.dist_url:
+                    # RPC on torchrun's store, which outlives a restart: its keys scoped to this attempt too
+                    # (else a restarted worker reads the dead attempt's addresses and cannot connect).
+                    client = _torch_dist.store_client(raw, self.dist_timeout)
+                    if client is not None:
+                        scoped = _torch_dist.prefix_store(f"{prefix}/rpc", client)
+                        rpc_url = _torch_dist.rpc_url_for_store(scoped)
                 _torch_dist.start_rpc(self.name, self.rank, self.world_size, rpc_url, self.rpc_timeout)
         except BaseException:
             for step in reversed(undo):
