@@ -285,18 +285,16 @@ def test_partition_healed_before_the_timeout_lets_the_job_continue(hosts: SimHos
         assert o["stop"]["ok"], o
 
 
-@pytest.mark.parametrize("rdzv", ["static", "c10d"])
-def test_elastic_restart_resumes_from_the_checkpoint(hosts: SimHosts, tmp_path: Path, rdzv: str) -> None:
-    """``torchrun --max_restarts=1``: host 1's workers SIGKILLed after rank 0's checkpoint; the job restarts,
-    resumes from it, and ends where an uninterrupted run ends."""
-    job = TorchrunJob(
-        hosts,
-        [WORKER, "elastic", str(tmp_path)],
-        tmp_path,
-        nproc_per_node=PER_HOST,
-        rdzv=rdzv,
-        max_restarts=1,
-    )
+def test_elastic_restart_resumes_from_the_checkpoint(hosts: SimHosts, tmp_path: Path) -> None:
+    """``torchrun --max_restarts=1`` (static rendezvous): host 1's workers SIGKILLed after rank 0's checkpoint;
+    the job restarts, resumes from it, and ends where an uninterrupted run ends.
+
+    Not with the c10d rendezvous: there the healthy host's agent restarts its workers for the membership
+    change without counting a restart, so the hosts' ``TORCHELASTIC_RESTART_COUNT`` differ and World (which
+    scopes its store keys by it) cannot meet (docs/multihost.md, "Elastic restart").
+    """
+    script = [WORKER, "elastic", str(tmp_path)]
+    job = TorchrunJob(hosts, script, tmp_path, nproc_per_node=PER_HOST, max_restarts=1)
     try:
         wait_for(
             lambda: all((tmp_path / f"checkpointed{r}").exists() for r in range(SIZE)),
