@@ -286,7 +286,7 @@ def test_partition_healed_before_the_timeout_lets_the_job_continue(hosts: SimHos
 
 
 def test_elastic_restart_resumes_from_the_checkpoint(hosts: SimHosts, tmp_path: Path) -> None:
-    """``torchrun --max_restarts=1`` (static rendezvous): host 1's workers SIGKILLed after rank 0's checkpoint;
+    """``torchrun --max_restarts=1`` (static rendezvous): host 1's workers SIGKILLed after the checkpoint;
     the job restarts, resumes from it, and ends where an uninterrupted run ends.
 
     Not with the c10d rendezvous: there the healthy host's agent restarts its workers for the membership
