@@ -35,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-__all__ = ["SUBNET", "SimHosts", "TorchrunJob", "unavailable_reason", "wait_for"]
+__all__ = ["SUBNET", "SimHosts", "TorchrunJob", "torchrun_args", "unavailable_reason", "wait_for"]
 
 SUBNET = "10.231.0"
 IFNAME = "eth0"
@@ -192,6 +192,34 @@ class SimHosts:
         self._signal(i, signal.SIGCONT)
 
 
+def torchrun_args(
+    addrs: Sequence[str], i: int, nproc_per_node: int, port: int, rdzv: str, max_restarts: int, run_id: str
+) -> list[str]:
+    """The torchrun options of host ``i`` of hosts at ``addrs`` (the ones docs/multihost.md shows).
+
+    Static rendezvous: host 0's agent serves the store at ``--master_addr``; ``--node_rank`` orders the
+    hosts. c10d: host 0's agent serves the rendezvous store (``is_host=1``; the simulated hosts share one
+    hostname, so torch could not tell by name), the hosts' order is whatever the rendezvous makes it, and
+    ``--local_addr`` gives each agent the address its workers are told to reach (torch would otherwise
+    announce the machine's host name).
+    """
+    common = [
+        f"--nnodes={len(addrs)}",
+        f"--nproc_per_node={nproc_per_node}",
+        f"--max_restarts={max_restarts}",
+    ]
+    if rdzv == "static":
+        return [*common, f"--node_rank={i}", f"--master_addr={addrs[0]}", f"--master_port={port}"]
+    return [
+        *common,
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={addrs[0]}:{port}",
+        f"--rdzv_id={run_id}",
+        f"--rdzv_conf=is_host={1 if i == 0 else 0}",
+        f"--local_addr={addrs[i]}",
+    ]
+
+
 class TorchrunJob:
     """One torchrun per host (rendezvous at host 0), ``nproc_per_node`` workers each (``PC_MH_HOST``: host).
 
@@ -240,34 +268,11 @@ class TorchrunJob:
                 self.procs.append(hosts.popen(i, [*argv, *script], host_env, stdout=log))
 
     def torchrun_args(self, i: int, nproc_per_node: int) -> list[str]:
-        """The torchrun options of host ``i`` (the ones docs/multihost.md shows).
-
-        Static rendezvous: host 0's agent serves the store at ``--master_addr``; ``--node_rank`` orders the
-        hosts. c10d: host 0's agent serves the rendezvous store (``is_host=1``; the simulated hosts share one
-        hostname, so torch could not tell by name), the hosts' order is whatever the rendezvous makes it, and
-        ``--local-addr`` gives each agent the address its workers are told to reach (torch would otherwise
-        announce the machine's host name).
-        """
-        common = [
-            f"--nnodes={self.hosts.n}",
-            f"--nproc_per_node={nproc_per_node}",
-            f"--max_restarts={self.max_restarts}",
-        ]
-        if self.rdzv == "static":
-            return [
-                *common,
-                f"--node_rank={i}",
-                f"--master_addr={self.hosts.addr(0)}",
-                f"--master_port={self.port}",
-            ]
-        return [
-            *common,
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint={self.hosts.addr(0)}:{self.port}",
-            f"--rdzv_id={self.hosts.tag}",
-            f"--rdzv_conf=is_host={1 if i == 0 else 0}",
-            f"--local_addr={self.hosts.addr(i)}",
-        ]
+        """The torchrun options of host ``i`` (see :func:`torchrun_args`)."""
+        addrs = [self.hosts.addr(j) for j in range(self.hosts.n)]
+        return torchrun_args(
+            addrs, i, nproc_per_node, self.port, self.rdzv, self.max_restarts, run_id=self.hosts.tag
+        )
 
     def kill_workers(self, i: int) -> list[int]:
         """SIGKILL the workers of host ``i`` (every process there but its torchrun agent); return the pids."""

@@ -184,7 +184,7 @@ def elastic(out: Path) -> None:
         start = state["step"]
     opt = DataParallelOptimizer(sgd)
     dp = DataParallel(net, optimizer=opt, blocking_parameter_updates=True)
-    obs: dict[str, Any] = {"rank": rank, "attempt": attempt, "start": start}
+    obs: dict[str, Any] = {"rank": rank, "attempt": attempt, "start": start, "t_resumed": time.time()}
     _write(out, rank, obs)  # the test sees every attempt begin
     batches = elastic_batches(size)
     sl = slice(rank * ELASTIC_B, (rank + 1) * ELASTIC_B)
@@ -206,6 +206,7 @@ def elastic(out: Path) -> None:
                     raise SystemExit("no go from the test in 120 s")
                 time.sleep(0.05)
     obs["params"] = [p.detach().reshape(-1).tolist() for p in net.parameters()]
+    obs["t_done"] = time.time()
     obs["done"] = True
     world.stop(timeout=30)
     _write(out, rank, obs)

@@ -11,6 +11,8 @@ Needs root and ``ip netns`` (skipped otherwise, with the reason); run with ``nox
 from __future__ import annotations
 
 import json
+import shlex
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,8 @@ from typing import Any
 import multihost_checks as checks
 import multihost_worker as worker
 import pytest
-from multihost import SimHosts, TorchrunJob, unavailable_reason, wait_for
+from integration_docs import ROOT, parse_blocks
+from multihost import SimHosts, TorchrunJob, torchrun_args, unavailable_reason, wait_for
 
 from pc_distributed._bounded import WAIT_GRACE
 from pc_distributed.world import STOP_STORE_MARGIN
@@ -33,6 +36,7 @@ pytestmark = [
 ]
 
 WORKER = str(Path(worker.__file__).resolve())
+DOCS = ROOT / "docs"
 HOSTS, PER_HOST = 2, 2
 SIZE = HOSTS * PER_HOST
 START = 150.0  # seconds for 2 torchruns x 2 workers to import torch and meet on 2 shared cores
@@ -304,11 +308,15 @@ def test_elastic_restart_resumes_from_the_checkpoint(hosts: SimHosts, tmp_path: 
     except TimeoutError as exc:
         raise AssertionError(f"{exc}\n{job.all_logs()}") from None
     assert (tmp_path / "ckpt.pt").exists()
+    t_kill = time.time()  # compared with the workers' time.time() (one machine, one clock); printed only
     killed = job.kill_workers(1)  # the event: every rank has written its marker after the checkpoint
     assert len(killed) == PER_HOST, killed
     (tmp_path / "go").write_text("1")  # host 0's workers go on, find their peers dead and fail
     obs = _results(tmp_path, list(range(SIZE)), "done", job, START + 120)
     assert job.wait(120) == [0] * HOSTS, job.all_logs()
+    resumed = max(o["t_resumed"] for o in obs.values()) - t_kill
+    done = max(o["t_done"] for o in obs.values()) - t_kill
+    print(f"[multihost] elastic restart: every rank resumed {resumed:.2f}s after the kill, done {done:.2f}s")
     expected = checks.elastic_oracle(SIZE)
     for rank, o in obs.items():
         assert o["attempt"] == 1, (o, job.all_logs())  # the restarted workers finished the job
@@ -319,3 +327,35 @@ def test_elastic_restart_resumes_from_the_checkpoint(hosts: SimHosts, tmp_path: 
             for a, b in zip(got, ref, strict=True)
         )
         assert err < 1e-6, (rank, err)  # = the uninterrupted run (single-process SGD over every step)
+
+
+def _doc_commands() -> list[list[str]]:
+    """Every ``torchrun`` command of docs/multihost.md's shell blocks, as argv (continuation lines joined)."""
+    commands = []
+    for block in parse_blocks(DOCS / "multihost.md"):
+        if block.lang != "bash":
+            continue
+        for line in block.code.replace("\\\n", " ").splitlines():
+            argv = shlex.split(line)
+            if "torchrun" in argv:
+                commands.append(argv)
+    return commands
+
+
+def test_the_guide_shows_the_commands_the_tests_run() -> None:
+    """docs/multihost.md's torchrun lines are the harness's (its addresses 10.0.0.x, port 29500, id job1)."""
+    topologies = {(n, rdzv, 0) for n, rdzv in TOPOLOGIES} | {(HOSTS, "static", 1)}  # healthy, elastic
+    seen = set()
+    for argv in _doc_commands():
+        at = argv.index("torchrun")
+        assert argv[:at] == ["GLOO_SOCKET_IFNAME=eth0", "TP_SOCKET_IFNAME=eth0"], argv
+        options, script = argv[at + 1 : -1], argv[-1]
+        assert script == "train.py", argv
+        flags = dict(o.removeprefix("--").split("=", 1) for o in options)
+        n, restarts = int(flags["nnodes"]), int(flags["max_restarts"])
+        rdzv = flags.get("rdzv_backend", "static")
+        addrs = [f"10.0.0.{j + 1}" for j in range(n)]
+        i = int(flags["node_rank"]) if rdzv == "static" else addrs.index(flags["local_addr"])
+        assert options == torchrun_args(addrs, i, PER_HOST, 29500, rdzv, restarts, run_id="job1"), argv
+        seen.add((n, rdzv, restarts, i))
+    assert seen == {(n, r, m, i) for n, r, m in topologies for i in range(n)}, "a host's command is missing"
