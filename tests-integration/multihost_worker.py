@@ -1,14 +1,14 @@
 """The worker that test_integration_multihost.py starts under torchrun on every simulated host.
 
-``python multihost_worker.py <scenario> <out_dir>``; each rank writes what it observed as JSON to
+``python multihost_worker.py <scenario> <out_dir> [checks]``; each rank writes what it observed as JSON to
 ``<out_dir>/rank<r>.json`` (and, for the fault scenarios, ``<out_dir>/ready<r>`` once warmed up; it then waits
 for the test to write ``<out_dir>/go`` after it injected the fault). Times are measured with a monotonic clock
 and reported, never checked here.
 
 Scenarios:
     basic: World, a world-wide and a cross-host collective group, an RPC group (rpc_sync, pair, register,
-        barrier), the training checks of multihost_checks.py (DataParallel, DASO, the gradient server),
-        then stop.
+        barrier), the training checks of multihost_checks.py named in ``checks`` (comma-separated:
+        data_parallel, daso, grad_server), then stop.
     fault: warm up, wait for ``go``, then rpc_sync(timeout=CALL) to the same local rank on the next host and
         an all_reduce (group timeout CALL), a ``pair`` and a ``barrier(timeout=CALL)``; record what each
         raised and how long it took, then World.stop().
@@ -45,7 +45,7 @@ from pc_distributed import DataParallel, DataParallelOptimizer, World
 
 CALL = 5.0  # seconds of the faulted rpc_sync and all_reduce
 HEAL_CALL = 60.0  # the same, in the scenario whose partition heals before the timeout
-DIST_TIMEOUT = 20.0  # the World's store/rendezvous timeout
+DIST_TIMEOUT = 10.0  # the World's store/rendezvous timeout (the ranks start together: _start_together)
 STOP = 5.0  # World.stop(timeout=...)
 ENV_KEYS = (
     "RANK",
@@ -75,7 +75,7 @@ def _write(out: Path, rank: int, obs: dict[str, Any]) -> None:
     tmp.replace(out / f"rank{rank}.json")
 
 
-def basic(out: Path) -> None:
+def basic(out: Path, checks: list[str]) -> None:
     """World, collectives and RPC across hosts, then the training checks (multihost_checks.py)."""
     rank = int(os.environ["RANK"])
     local = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -107,7 +107,7 @@ def basic(out: Path) -> None:
     obs["get_paired"] = group.get_paired(f"value{peer}").to_here()
     obs["registered_sync"] = group.registered_sync(f"svc{peer}", args=(rank,), timeout=30)
     group.barrier(timeout=60)
-    obs["checks"] = run_checks(rank, size, group)
+    obs["checks"] = run_checks(rank, size, group, checks)
     start = time.monotonic()
     world.stop(timeout=30)
     obs["stop_s"] = time.monotonic() - start
@@ -128,11 +128,23 @@ def _timed(fn: Any) -> dict[str, Any]:
         }
 
 
+def _start_together(out: Path, rank: int, size: int) -> None:
+    """Wait until every rank has imported torch (files on the shared file system), so that the short
+    ``DIST_TIMEOUT`` bounds the World's rendezvous and not the start-up skew of a loaded machine."""
+    (out / f"started{rank}").write_text("1")
+    deadline = time.monotonic() + 150
+    while not all((out / f"started{r}").exists() for r in range(size)):
+        if time.monotonic() > deadline:
+            raise SystemExit("the other ranks did not start in 150 s")
+        time.sleep(0.05)
+
+
 def fault(out: Path, call: float = CALL) -> None:
     """Warm up, wait for the test's fault, then call across hosts and stop (every step timed)."""
     rank = int(os.environ["RANK"])
     size = int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_WORLD_SIZE"])
+    _start_together(out, rank, size)
     world = World(name=f"w{rank}", dist_timeout=DIST_TIMEOUT, rpc_timeout=call)
     everyone = world.create_collective_group(list(range(size)), timeout=call)
     group = world.create_rpc_group("g", world.get_members())
@@ -172,7 +184,7 @@ def elastic(out: Path) -> None:
     rank = int(os.environ["RANK"])
     size = int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    world = World(name=f"w{rank}", dist_timeout=DIST_TIMEOUT, rpc_timeout=30)
+    world = World(name=f"w{rank}", dist_timeout=60, rpc_timeout=30)  # the hosts restart seconds apart
     ckpt = out / "ckpt.pt"
     net = elastic_net(rank)
     sgd = elastic_sgd(net)
@@ -217,8 +229,10 @@ def main() -> None:
     torch.set_num_threads(1)
     if scenario == "heal":
         fault(out, HEAL_CALL)
+    elif scenario == "basic":
+        basic(out, sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] else [])
     else:
-        {"basic": basic, "fault": fault, "elastic": elastic}[scenario](out)
+        {"fault": fault, "elastic": elastic}[scenario](out)
 
 
 if __name__ == "__main__":

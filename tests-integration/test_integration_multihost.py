@@ -110,8 +110,12 @@ def healthy(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     n, rdzv = request.param
     out = tmp_path_factory.mktemp(f"healthy{n}{rdzv}")
     with SimHosts(n) as sim:
-        job = TorchrunJob(sim, [WORKER, "basic", str(out)], out, nproc_per_node=PER_HOST, rdzv=rdzv)
+        script = [WORKER, "basic", str(out), ",".join(checks.CHECKS)]
+        job = TorchrunJob(sim, script, out, nproc_per_node=PER_HOST, rdzv=rdzv)
         obs = _results(out, list(range(n * PER_HOST)), "stop_s", job, START + 60 * n)
+        for name in checks.CHECKS:
+            took = max(o["checks"].get(name, {}).get("seconds", float("nan")) for o in obs.values())
+            print(f"[multihost] {n} hosts ({rdzv}): check {name} took {took:.2f}s")
         codes = job.wait(60)
         assert codes == [0] * n, job.all_logs()
         return Healthy(n, rdzv, [sim.addr(i) for i in range(n)], obs, job.all_logs())
