@@ -43,10 +43,10 @@ from multihost_checks import (
 
 from pc_distributed import DataParallel, DataParallelOptimizer, World
 
-CALL = 5.0  # seconds of the faulted rpc_sync and all_reduce
+CALL = 3.0  # seconds of the faulted rpc_sync and all_reduce
 HEAL_CALL = 60.0  # the same, in the scenario whose partition heals before the timeout
 DIST_TIMEOUT = 10.0  # the World's store/rendezvous timeout (the ranks start together: _start_together)
-STOP = 5.0  # World.stop(timeout=...)
+STOP = 3.0  # World.stop(timeout=...)
 ENV_KEYS = (
     "RANK",
     "WORLD_SIZE",

@@ -142,8 +142,10 @@ class World:
             self._raw_store = raw
             undo.append(self._drop_store)
             # Keys are scoped per torchrun restart and per World of this process (every rank creates its
-            # Worlds in the same order), so a store that outlives a World never shows it stale keys.
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            # Worlds in the same order), so a store that outlives a World never shows it stale keys. Only an
+            # agent's store outlives the workers; a store served by rank 0 is new in every attempt (and the
+            # hosts' restart counts can differ: a c10d agent restarting for a membership change counts none).
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if spec.agent_store else "0"
             prefix = f"{_PREFIX}/{restart}/{_next_epoch()}"
             # Every short request of the World's shared client is bounded by dist_timeout (torch's are not).
             self.store = BoundedStore(
