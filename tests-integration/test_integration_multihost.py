@@ -357,16 +357,20 @@ def _doc_commands() -> list[list[str]]:
 
 def test_the_guide_shows_the_commands_the_tests_run() -> None:
     """docs/multihost.md's torchrun lines are the harness's (its addresses 10.0.0.x, port 29500, id job1)."""
-    topologies = {(n, rdzv, 0) for n, rdzv in TOPOLOGIES} | {(HOSTS, "static", 1)}  # healthy, elastic
+    elastic = {(HOSTS, "static", 1), (HOSTS, "c10d", 1)}
+    topologies = {(n, rdzv, 0) for n, rdzv in TOPOLOGIES} | elastic  # the healthy runs and the restarts
     seen = set()
     for argv in _doc_commands():
         at = argv.index("torchrun")
-        assert argv[:at] == ["GLOO_SOCKET_IFNAME=eth0", "TP_SOCKET_IFNAME=eth0"], argv
         options, script = argv[at + 1 : -1], argv[-1]
         assert script == "train.py", argv
         flags = dict(o.removeprefix("--").split("=", 1) for o in options)
         n, restarts = int(flags["nnodes"]), int(flags["max_restarts"])
         rdzv = flags.get("rdzv_backend", "static")
+        env = ["GLOO_SOCKET_IFNAME=eth0", "TP_SOCKET_IFNAME=eth0"]
+        if rdzv == "c10d" and restarts:  # as the c10d restart test runs it
+            env.append("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+        assert argv[:at] == env, argv
         addrs = [f"10.0.0.{j + 1}" for j in range(n)]
         i = int(flags["node_rank"]) if rdzv == "static" else addrs.index(flags["local_addr"])
         assert options == torchrun_args(addrs, i, PER_HOST, 29500, rdzv, restarts, run_id="job1"), argv
