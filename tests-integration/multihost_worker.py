@@ -1,8 +1,9 @@
 """The worker that test_integration_multihost.py starts under torchrun on every simulated host.
 
 ``python multihost_worker.py <scenario> <out_dir> [checks]``; each rank writes what it observed as JSON to
-``<out_dir>/rank<r>.json`` (and, for the fault scenarios, ``<out_dir>/ready<r>`` once warmed up; it then waits
-for the test to write ``<out_dir>/go`` after it injected the fault). Times are measured with a monotonic clock
+``<out_dir>/rank<r>.json`` (and, for the fault scenarios, ``<out_dir>/started<r>`` once torch is imported and
+``<out_dir>/ready<r>`` once warmed up; it then waits for the test to write ``<out_dir>/go`` after it injected
+the fault). Times are measured with a monotonic clock
 and reported, never checked here.
 
 Scenarios:

@@ -1,9 +1,13 @@
-"""pc-distributed across simulated hosts: 2 network namespaces x 2 torchrun workers, healthy and faulted.
+"""pc-distributed on simulated hosts (network namespaces, 2 torchrun workers each): healthy, faults, restarts.
 
 Each test starts one torchrun per host (multihost.py) running multihost_worker.py, and reads what every rank
-observed from its JSON file. The fault tests inject the fault once every rank is warmed up, then let every
-rank call across hosts and stop; each row of the fault matrix (docs/reliability.md) has a bound, asserted
-here only with a generous margin (this machine is shared and noisy; the measured times are in the docs).
+observed from its JSON file. The healthy runs (2 hosts with torchrun's static rendezvous, 3 with c10d; one job
+each, shared by four tests) check World, collectives, RPC, DataParallel, DASO and a pc-server gradient server
+across the hosts. The fault tests inject the fault once every rank is warmed up, then let every rank call
+across hosts and stop; each row of the fault matrix (docs/reliability.md) has a bound, asserted here only with
+a generous margin (this machine is shared and noisy; the measured times are in the docs). The elastic tests
+kill one host's workers under ``--max_restarts=1`` and check that the job resumes from its checkpoint. A last
+test checks that docs/multihost.md shows the torchrun commands these tests run.
 
 Needs root and ``ip netns`` (skipped otherwise, with the reason); run with ``nox -s multihost``.
 """
