@@ -12,7 +12,8 @@ deletes the namespaces, which removes their links and addresses with them.
 
 Fault helpers: :meth:`SimHosts.cut` / :meth:`SimHosts.heal` take a host's switch port down / up (its cable
 pulled: the host's ``eth0`` loses carrier, its packets go nowhere and nobody's reach it);
-:meth:`SimHosts.kill_host` SIGKILLs every process of a host; :meth:`SimHosts.freeze` /
+:meth:`SimHosts.kill_host` SIGKILLs every process of a host; :meth:`TorchrunJob.kill_workers` only its
+torchrun's workers (the agent lives on and may restart them); :meth:`SimHosts.freeze` /
 :meth:`SimHosts.thaw` SIGSTOP / SIGCONT them.
 
 Needs root and ``ip netns``; :func:`unavailable_reason` says why not, for a skip.
@@ -34,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-__all__ = ["SUBNET", "SimHosts", "TorchrunJob", "unavailable_reason", "wait_for"]
+__all__ = ["SUBNET", "SimHosts", "TorchrunJob", "torchrun_args", "unavailable_reason", "wait_for"]
 
 SUBNET = "10.231.0"
 IFNAME = "eth0"
@@ -174,6 +175,14 @@ class SimHosts:
         self._signal(i, signal.SIGCONT)
         wait_for(lambda: not self.pids(i), 30, f"the processes of host {i} to die")
 
+    def kill_workers(self, i: int, keep: Sequence[int]) -> list[int]:
+        """SIGKILL every process of host ``i`` but the pids in ``keep`` (its torchrun agent); return them."""
+        killed = [pid for pid in self.pids(i) if pid not in keep]
+        for pid in killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return killed
+
     def freeze(self, i: int) -> list[int]:
         """SIGSTOP every process of host ``i``; return their pids."""
         return self._signal(i, signal.SIGSTOP)
@@ -183,8 +192,36 @@ class SimHosts:
         self._signal(i, signal.SIGCONT)
 
 
+def torchrun_args(
+    addrs: Sequence[str], i: int, nproc_per_node: int, port: int, rdzv: str, max_restarts: int, run_id: str
+) -> list[str]:
+    """The torchrun options of host ``i`` of hosts at ``addrs`` (the ones docs/multihost.md shows).
+
+    Static rendezvous: host 0's agent serves the store at ``--master_addr``; ``--node_rank`` orders the
+    hosts. c10d: host 0's agent serves the rendezvous store (``is_host=1``; the simulated hosts share one
+    hostname, so torch could not tell by name), the hosts' order is whatever the rendezvous makes it, and
+    ``--local_addr`` gives each agent the address its workers are told to reach (torch would otherwise
+    announce the machine's host name).
+    """
+    common = [
+        f"--nnodes={len(addrs)}",
+        f"--nproc_per_node={nproc_per_node}",
+        f"--max_restarts={max_restarts}",
+    ]
+    if rdzv == "static":
+        return [*common, f"--node_rank={i}", f"--master_addr={addrs[0]}", f"--master_port={port}"]
+    return [
+        *common,
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={addrs[0]}:{port}",
+        f"--rdzv_id={run_id}",
+        f"--rdzv_conf=is_host={1 if i == 0 else 0}",
+        f"--local_addr={addrs[i]}",
+    ]
+
+
 class TorchrunJob:
-    """One torchrun per host (static rendezvous at host 0), ``nproc_per_node`` workers each.
+    """One torchrun per host (rendezvous at host 0), ``nproc_per_node`` workers each (``PC_MH_HOST``: host).
 
     Args:
         hosts: The simulated hosts.
@@ -192,6 +229,8 @@ class TorchrunJob:
         log_dir: Where each host's torchrun output goes (``torchrun-<i>.log``).
         nproc_per_node: Workers per host.
         extra_env: Added to the workers' environment.
+        rdzv: ``"static"`` (``--master_addr``/``--node_rank``) or ``"c10d"`` (``--rdzv_backend=c10d``).
+        max_restarts: torchrun's ``--max_restarts``.
     """
 
     def __init__(
@@ -201,8 +240,14 @@ class TorchrunJob:
         log_dir: Path,
         nproc_per_node: int = 2,
         extra_env: dict[str, str] | None = None,
+        rdzv: str = "static",
+        max_restarts: int = 0,
     ) -> None:
+        if rdzv not in ("static", "c10d"):
+            raise ValueError(f"rdzv must be 'static' or 'c10d', got {rdzv!r}")
         self.hosts = hosts
+        self.rdzv = rdzv
+        self.max_restarts = max_restarts
         self.port = free_port()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs = [log_dir / f"torchrun-{i}.log" for i in range(hosts.n)]
@@ -219,18 +264,19 @@ class TorchrunJob:
         for i in range(hosts.n):
             argv = [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args(i, nproc_per_node)]
             with open(self.logs[i], "wb") as log:
-                self.procs.append(hosts.popen(i, [*argv, *script], env, stdout=log))
+                host_env = {**env, "PC_MH_HOST": str(i)}  # which namespace: the tests' ground truth
+                self.procs.append(hosts.popen(i, [*argv, *script], host_env, stdout=log))
 
     def torchrun_args(self, i: int, nproc_per_node: int) -> list[str]:
-        """The torchrun options of host ``i`` (the ones docs/multihost.md shows)."""
-        return [
-            f"--nnodes={self.hosts.n}",
-            f"--nproc_per_node={nproc_per_node}",
-            f"--node_rank={i}",
-            f"--master_addr={self.hosts.addr(0)}",
-            f"--master_port={self.port}",
-            "--max_restarts=0",
-        ]
+        """The torchrun options of host ``i`` (see :func:`torchrun_args`)."""
+        addrs = [self.hosts.addr(j) for j in range(self.hosts.n)]
+        return torchrun_args(
+            addrs, i, nproc_per_node, self.port, self.rdzv, self.max_restarts, run_id=self.hosts.tag
+        )
+
+    def kill_workers(self, i: int) -> list[int]:
+        """SIGKILL the workers of host ``i`` (every process there but its torchrun agent); return the pids."""
+        return self.hosts.kill_workers(i, keep=[self.procs[i].pid])
 
     def wait(self, timeout: float) -> list[int]:
         """Wait for every torchrun to exit; return their exit codes (TimeoutError naming the logs if not)."""

@@ -17,6 +17,7 @@ from typing import Any
 from pc_distributed import _torch_dist
 from pc_distributed._bounded import BoundedStore, call_bounded
 from pc_distributed._env import WorldSpec
+from pc_distributed._rpc_store import rpc_url_for_store
 from pc_distributed._store import wait_keys
 from pc_distributed._store_waits import WaitStores
 
@@ -41,12 +42,33 @@ class Connection:
         store: The bounded shared client (short requests), with the World's key prefix.
         waits: The clients for blocking waits, with the same prefix.
         rpc_url: RPC's init method (``:0`` replaced by the served port).
+        prefix: The World's key prefix.
+        outlives_attempt: True when an agent serves the store, which then outlives a torchrun restart.
     """
 
     raw: Any
     store: BoundedStore
     waits: WaitStores
     rpc_url: str
+    prefix: str = _PREFIX
+    outlives_attempt: bool = False
+
+    def pg_store(self, timeout: float) -> Any:
+        """The process group's store: a client of its own (gloo's waits never stall the World's requests).
+
+        On a store that outlives a torchrun restart the group's keys are scoped to this attempt, else a
+        restarted worker would read the dead attempt's gloo addresses.
+        """
+        client = _torch_dist.store_client(self.raw, timeout) or self.raw
+        return _torch_dist.prefix_store(f"{self.prefix}/pg", client) if self.outlives_attempt else client
+
+    def rpc_init_method(self, dist_url: str, timeout: float) -> str:
+        """RPC's init method; on a store that outlives a restart, a client scoped to this attempt."""
+        if self.outlives_attempt and self.rpc_url == dist_url:
+            client = _torch_dist.store_client(self.raw, timeout)
+            if client is not None:
+                return rpc_url_for_store(_torch_dist.prefix_store(f"{self.prefix}/rpc", client))
+        return self.rpc_url
 
     def close(self) -> None:
         """Close the clients (never blocks)."""
@@ -96,8 +118,10 @@ def connect(spec: WorldSpec, name: str, rank: int, world_size: int, timeout: flo
         else _open(spec, name, rank, world_size, timeout)
     )
     # Keys are scoped per torchrun restart and per World of this process (every rank creates its Worlds in the
-    # same order), so a store that outlives a World never shows it stale keys.
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # same order), so a store that outlives a World never shows it stale keys. Only an agent's store outlives
+    # the workers; a store served by rank 0 is new in every attempt (and the hosts' restart counts can differ:
+    # a c10d agent restarting for a membership change counts none).
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if spec.agent_store else "0"
     prefix = f"{_PREFIX}/{restart}/{_next_epoch()}"
     store = BoundedStore(_torch_dist.prefix_store(prefix, raw), timeout, f"the store of World {name!r}")
     waits = WaitStores(raw, prefix, timeout)
@@ -105,7 +129,9 @@ def connect(spec: WorldSpec, name: str, rank: int, world_size: int, timeout: flo
     port = _torch_dist.store_port(raw)
     if rpc_url.endswith(":0") and port is not None:
         rpc_url = f"{rpc_url[:-2]}:{port}"
-    return Connection(raw=raw, store=store, waits=waits, rpc_url=rpc_url)
+    return Connection(
+        raw=raw, store=store, waits=waits, rpc_url=rpc_url, prefix=prefix, outlives_attempt=spec.agent_store
+    )
 
 
 def publish_name(conn: Connection, name: str, rank: int, world_size: int, timeout: float) -> list[str]:

@@ -130,9 +130,7 @@ class World:
             self._names = publish_name(self._conn, self.name, self.rank, self.world_size, self.dist_timeout)
             self._rank_of = {n: r for r, n in enumerate(self._names)}
             if self.init_dist:
-                # The process group's store waits (gloo's rendezvous of every new group) get their own client.
-                raw = self._conn.raw
-                pg_store = _torch_dist.store_client(raw, self.dist_timeout) or raw
+                pg_store = self._conn.pg_store(self.dist_timeout)
                 _torch_dist.init_pg(
                     pg_store, self.dist_backend, self.rank, self.world_size, self.dist_timeout
                 )
@@ -142,7 +140,7 @@ class World:
                     self.name,
                     self.rank,
                     self.world_size,
-                    self._conn.rpc_url,
+                    self._conn.rpc_init_method(self._spec.dist_url, self.dist_timeout),
                     self.rpc_timeout,
                     self.dist_timeout,
                 )
