@@ -23,11 +23,9 @@ import os
 import signal
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.distributed import TCPStore
 
 import pc_distributed as pd
 from pc_server import PushPullGradServerImpl
@@ -113,39 +111,13 @@ def push_until(gs: Any, model: ThreeWeights, n: int, target: int | None) -> list
     return accepted
 
 
-def fresh_world(rank: int, restart: int) -> pd.World:
-    """A World that meets on a store of this attempt's own.
-
-    torchrun keeps its agent's store (``MASTER_PORT``) across restarts, and the keys torch's process group
-    and RPC start-ups write there are not scoped per attempt: a restarted World meeting there reads the dead
-    attempt's addresses. So rank 0 serves a new store on a free port and tells the others its port through
-    the agent's store, under a key of this attempt; every rank then joins it as the agent's store.
-    """
-    agent = TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=60),
-    )
-    key = f"integration_server_restart/{restart}/port"
-    if rank == 0:
-        global _STORE  # served for as long as this process lives
-        _STORE = TCPStore(
-            "127.0.0.1", 0, int(os.environ["WORLD_SIZE"]), is_master=True, wait_for_workers=False
-        )
-        agent.set(key, str(_STORE.port))
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", agent.get(key).decode()
-    return pd.World(name=str(rank), rpc_timeout=10, dist_timeout=60)
-
-
-_STORE: TCPStore | None = None
-
-
 def main(ckpt_dir: str) -> None:
     rank = int(os.environ["RANK"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.set_num_threads(1)
-    world = fresh_world(rank, restart)
+    # World scopes its store keys (and the process group's and RPC's) per torchrun attempt, so a restarted
+    # attempt meets on torchrun's own store without reading the dead attempt's addresses.
+    world = pd.World(name=str(rank), rpc_timeout=10, dist_timeout=60)
     group = world.create_rpc_group("r", MEMBERS)
     impl = managed = None
     if rank in (0, 1):
