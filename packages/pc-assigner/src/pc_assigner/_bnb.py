@@ -26,7 +26,7 @@ import math
 import numpy as np
 import numpy.typing as npt
 
-from pc_assigner._core import Compiled, identical_device_classes
+from pc_assigner._core import Compiled, identical_device_classes, traffic_order
 
 __all__ = ["DEFAULT_NODE_BUDGET", "BnbResult", "branch_and_bound"]
 
@@ -56,25 +56,6 @@ class BnbResult:
         self.nodes = nodes
 
 
-def _order(c: Compiled) -> list[int]:
-    """Heaviest item first, then the one with most traffic to the placed ones (ties: heavier, lower index)."""
-    weight = [max(row, default=0.0) for row in c.time]
-    link = [[0.0] * c.n for _ in range(c.n)]
-    for i, k, w in c.edges:
-        link[i][k] += w
-        link[k][i] += w
-    order: list[int] = []
-    placed = [False] * c.n
-    pull = [0.0] * c.n
-    for _ in range(c.n):
-        best = max((i for i in range(c.n) if not placed[i]), key=lambda i: (pull[i], weight[i], -i))
-        order.append(best)
-        placed[best] = True
-        for k in range(c.n):
-            pull[k] += link[best][k]
-    return order
-
-
 _F = npt.NDArray[np.float64]
 _Block = tuple[int, npt.NDArray[np.int64], _F, _F, _F, _F]  # depth, prefixes, loads, memory, traffic, cross
 
@@ -102,7 +83,7 @@ def branch_and_bound(
     best = c.cost(best_a) if best_a is not None else math.inf
     if n == 0:
         return BnbResult((), 0.0, True, 0)
-    order = _order(c)
+    order = traffic_order(c)
     pos = {item: d for d, item in enumerate(order)}
     time = np.array([c.time[i] for i in order], dtype=np.float64).reshape(n, m)  # in placement order
     size = np.array([c.size[i] for i in order], dtype=np.float64)
