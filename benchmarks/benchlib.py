@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Report", "Row", "Target", "bench_args", "median_time"]
+__all__ = ["Report", "Row", "Target", "bench_args", "interleaved_min", "median_time"]
 
 
 def bench_args(package: str, argv: list[str] | None = None) -> argparse.Namespace:

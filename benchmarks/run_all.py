@@ -185,7 +185,7 @@ ISSUE_TARGETS: tuple[IssueTarget, ...] = (
 
 
 def _fmt(value: float) -> str:
-    return f"{value:.3g}"
+    return f"{value:.5g}"
 
 
 def _verdict(met: bool, note: str, missing: str = "") -> str:
@@ -205,7 +205,7 @@ def issue_rows(results: list[dict[str, Any]]) -> list[str]:
     by_package = {r["package"]: r for r in results}
     lines = []
     for it in ISSUE_TARGETS:
-        bound = "a curve" if it.bound is None else f"{it.op} {it.bound:.4g}{it.unit}"
+        bound = "a curve" if it.bound is None else f"{it.op} {it.bound:.5g}{it.unit}"
         res = by_package.get(it.package)
         found = [t for t in (res or {}).get("targets", []) if t["name"] == it.measured_as]
         if not found:
@@ -224,7 +224,7 @@ def issue_rows(results: list[dict[str, Any]]) -> list[str]:
             met = measured <= it.bound if it.op == "<=" else measured >= it.bound
         when = f" (run {res['run_at']})" if res and res.get("run_at") else ""
         lines.append(
-            f"| {it.package} | {_cell(it.text)} | {measured:.4g}{t['unit']}{when} | {bound} | "
+            f"| {it.package} | {_cell(it.text)} | {measured:.5g}{t['unit']}{when} | {bound} | "
             f"{_cell(_verdict(met, t.get('note', ''), 'the benchmark records no reason'))} |"
         )
     return lines

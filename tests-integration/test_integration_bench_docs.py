@@ -155,8 +155,8 @@ def test_bench_issue_targets_each_stand_beside_a_verdict() -> None:
     assert len(rows) == len(run_all.ISSUE_TARGETS)  # every target is listed, measured or not
     by_text = {row.split(" | ")[1]: row for row in rows}
     assert by_text[first.text].endswith("| yes |")
-    assert f"{second.bound * 2:.4g}x (run today)" in by_text[second.text]
+    assert f"{second.bound * 2:.5g}x (run today)" in by_text[second.text]
     assert by_text[second.text].endswith("| **no**: memcpy-bound |")
-    unmeasured = [t for t in run_all.ISSUE_TARGETS if t.package == "pc-pool"][0]
+    unmeasured = next(t for t in run_all.ISSUE_TARGETS if t.package == "pc-pool")
     assert "| not measured |" in by_text[unmeasured.text]
     assert by_text[unmeasured.text].endswith("no benchmark measures it yet |")
