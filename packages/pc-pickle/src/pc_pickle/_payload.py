@@ -7,10 +7,12 @@ rebuild function defined in ``__main__`` would be pickled by value and lose its 
 
 from __future__ import annotations
 
+import ctypes
 import io
 import pickle
 from typing import Any
 
+from pc_pickle._bigbuf import HUGE_MIN, advise
 from pc_pickle._errors import PayloadError
 from pc_pickle._seal import FORMAT_VERSION
 from pc_pickle._tensors import installed_storages, materialize_entry
@@ -49,6 +51,25 @@ class _Unpickler(pickle.Unpickler):
             ) from exc
 
 
+def _advise_target(target: memoryview) -> None:
+    """Huge pages for a large fresh buffer the unpickler reads raw tensor bytes into (see _bigbuf)."""
+    if len(target) >= HUGE_MIN and not target.readonly:
+        advise(ctypes.addressof(ctypes.c_char.from_buffer(target)), len(target))
+
+
+class _BytesReader(io.BytesIO):
+    """``io.BytesIO`` (which shares a bytes object's buffer) whose ``readinto`` advises large targets first.
+
+    The C unpickler reads a tensor's raw bytes (``BYTEARRAY8``) with ``readinto`` into a bytearray it has just
+    allocated; every other read stays in C.
+    """
+
+    def readinto(self, buffer: Any, /) -> int:
+        target = memoryview(buffer).cast("B")
+        _advise_target(target)
+        return super().readinto(target)
+
+
 class _ViewReader:
     """A read-only file over a memoryview (what the C unpickler needs: read, readinto, readline)."""
 
@@ -66,6 +87,7 @@ class _ViewReader:
 
     def readinto(self, buffer: Any) -> int:
         target = memoryview(buffer).cast("B")
+        _advise_target(target)
         chunk = self._view[self._at : self._at + len(target)]
         target[: len(chunk)] = chunk
         self._at += len(chunk)
@@ -92,7 +114,7 @@ def unpickle(data: bytes | bytearray | memoryview) -> Any:
             propagate unchanged.
     """
     # BytesIO shares a bytes object's buffer; other buffers are read in place rather than copied.
-    file = io.BytesIO(data) if type(data) is bytes else _ViewReader(memoryview(data).cast("B"))
+    file = _BytesReader(data) if type(data) is bytes else _ViewReader(memoryview(data).cast("B"))
     try:
         return _Unpickler(file).load()
     except PayloadError:

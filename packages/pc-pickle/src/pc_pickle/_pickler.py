@@ -30,6 +30,7 @@ from typing import IO, Any
 
 import torch
 
+from pc_pickle._bigbuf import join
 from pc_pickle._diagnose import find_unpicklable
 from pc_pickle._errors import UnpicklableObjectError
 from pc_pickle._functions import DILL_ONLY_TYPES, needs_by_value, reduce_by_value
@@ -268,7 +269,7 @@ def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
         >>> out["t"].stride(), out["w"].untyped_storage().data_ptr() == out["t"].untyped_storage().data_ptr()
         ((1, 3), True)
     """
-    return b"".join(_write_payload(obj, recurse, copy_tensor))
+    return join(_write_payload(obj, recurse, copy_tensor))
 
 
 def _write_payload(obj: Any, recurse: bool, copy_tensor: bool) -> list[Any]:
@@ -282,8 +283,8 @@ class _Chunks:
     """A write-only "file" that keeps the pieces the C pickler writes, joined once at the end.
 
     The C pickler hands buffers of 64 KiB and more straight to ``write`` (no copy into its own buffer), so a
-    large tensor costs one copy in :func:`dumps` (the join) instead of the two or three of ``pickle.dumps``,
-    whose output buffer grows by reallocation.
+    large tensor costs one copy in :func:`dumps` (the join, into huge pages: :mod:`pc_pickle._bigbuf`) instead
+    of the two or three of ``pickle.dumps``, whose output buffer grows by reallocation.
     """
 
     __slots__ = ("parts",)
