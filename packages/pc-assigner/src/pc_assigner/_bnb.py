@@ -57,7 +57,9 @@ class BnbResult:
 
 
 _F = npt.NDArray[np.float64]
-_Block = tuple[int, npt.NDArray[np.int64], _F, _F, _F, _F]  # depth, prefixes, loads, memory, traffic, cross
+_B = npt.NDArray[np.bool_]
+# depth, prefixes, loads, memory, traffic, cross, devices used
+_Block = tuple[int, npt.NDArray[np.int64], _F, _F, _F, _F, _B]
 
 
 def branch_and_bound(
@@ -127,11 +129,12 @@ def branch_and_bound(
             np.zeros((1, m)),
             np.zeros(1),
             np.zeros((1, n, m)),
+            np.zeros((1, m), dtype=bool),
         )
     ]
     nodes = 0
     while stack:
-        depth, prefix, loads, mem, comm, cross = stack.pop()
+        depth, prefix, loads, mem, comm, cross, used = stack.pop()
         b = prefix.shape[0]
         nodes += b * m
         if nodes > node_budget:
@@ -141,9 +144,6 @@ def branch_and_bound(
         ok = (c_mem <= cap).all(axis=1)
         ok &= np.clip(cap - c_mem, 0.0, None).sum(axis=1) >= rem_size[depth + 1] * (1 - 1e-12)
         if symmetric:
-            used = np.zeros((b, m), dtype=bool)
-            if depth:
-                np.put_along_axis(used, prefix, True, axis=1)
             allowed = np.ones((b, m), dtype=bool)
             for j, p in enumerate(prev_in_class):
                 if p >= 0:
@@ -186,10 +186,22 @@ def branch_and_bound(
             continue
         sel = sel[np.argsort(-bound[sel], kind="stable")]  # the lowest bounds are pushed last, popped first
         c_prefix = np.concatenate([prefix[parent[sel]], dev[sel, None]], axis=1)
+        c_used = used[parent[sel]]
+        c_used[np.arange(sel.size), dev[sel]] = True
         for start in range(0, sel.size, _BLOCK):
             part = slice(start, start + _BLOCK)
             rows = sel[part]
-            stack.append((depth + 1, c_prefix[part], c_loads[rows], c_mem[rows], c_comm[rows], c_cross[rows]))
+            stack.append(
+                (
+                    depth + 1,
+                    c_prefix[part],
+                    c_loads[rows],
+                    c_mem[rows],
+                    c_comm[rows],
+                    c_cross[rows],
+                    c_used[part],
+                )
+            )
     return BnbResult(best_a, best, True, nodes)
 
 
@@ -215,20 +227,18 @@ def _least_work_curve(
     return xs, ys
 
 
-def _water_level(
-    loads: npt.NDArray[np.float64], speeds: npt.NDArray[np.float64], work: float
-) -> npt.NDArray[np.float64]:
+def _water_level(loads: _F, speeds: _F, work: float) -> _F:
     """Per row, the lowest T with ``sum_j speeds[j] * max(0, T - loads[j]) >= work`` (compute divisible).
 
-    Filling the k least loaded devices to one level gives a level T_k; every T_k is at least the true level
-    and one of them equals it, so the true level is the smallest T_k.
+    Filling the devices loaded at most as much as device j to one level gives a level T_j; every T_j is at
+    least the true level and one of them equals it (j the busiest device below the level), so the true level
+    is the smallest T_j. Without a sort: m is small, so the (rows, m, m) comparison is cheaper.
     """
     if work <= 0:
         low: _F = loads.min(axis=1)
         return low
-    idx = np.argsort(loads, axis=1)
-    sorted_loads = np.take_along_axis(loads, idx, axis=1)
-    s = speeds[idx]
-    levels = (work + np.cumsum(s * sorted_loads, axis=1)) / np.cumsum(s, axis=1)
-    level: _F = levels.min(axis=1)
+    below = loads[:, None, :] <= loads[:, :, None]  # below[r, j, i]: device i is loaded at most as device j
+    s_sum = below @ speeds
+    sl_sum = (below * (speeds * loads)[:, None, :]).sum(axis=2)
+    level: _F = ((work + sl_sum) / s_sum).min(axis=1)
     return level
