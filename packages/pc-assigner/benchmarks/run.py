@@ -187,10 +187,10 @@ def _large_rows(report: Report, quick: bool) -> None:
         times.append(t["auto"])
     worst = max(range(len(ratios)), key=lambda i: ratios[i])
     why = (
-        f"the worst instance's makespan term alone is {makespan_ratios[worst]:.3f}x the bound: the rest is "
-        "traffic, which the LP relaxation does not charge (a fractional item split evenly over the devices "
-        "crosses no edge), so the bound sits below the optimum there; the local search also stops short "
-        "on the instances with traffic"
+        f"the worst instance's makespan term alone is {makespan_ratios[worst]:.3f}x the bound, so the excess "
+        "is traffic, which the LP relaxation barely charges (an item split evenly over the devices crosses "
+        "no edge): the bound lies below the optimum there by an unknown part of the gap, and no exact "
+        "optimum is known at n = 200 to separate the bound's share from the search's"
     )
     report.target(
         "n = 200: cost / LP lower bound", max(ratios), "<=", 1.05, note="" if max(ratios) <= 1.05 else why
