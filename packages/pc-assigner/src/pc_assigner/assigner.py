@@ -40,9 +40,11 @@ class ModelAssigner:
     """Assign PyTorch modules to devices within one process, under hard memory limits.
 
     The placement minimises ``complexity_match_weight / T0 * makespan + connection_weight / C0 * traffic x
-    distance`` (see the module docstring) subject to every device's memory limit. It is exact when ``m ** n <=
-    1e6`` (m usable devices, n models after merging models that share storage), and otherwise found by greedy
-    construction plus local search with seeded restarts. The result is deterministic for a ``seed``.
+    distance`` (see the module docstring) subject to every device's memory limit. It is proven optimal by
+    exhaustive search when ``m ** n <= 4096`` (m usable devices, n models after merging models that share
+    storage) and by branch and bound above that, within its node budget; beyond the budget (or 48 items) the
+    best of branch and bound and of greedy construction plus local search with seeded restarts is taken
+    (``result.optimal`` says which). The result is deterministic for a ``seed``.
 
     Args:
         models: Models to assign.
@@ -70,7 +72,7 @@ class ModelAssigner:
         model_complexity: Compute per model: numbers, or one tuple of example inputs per model, from which
             forward + backward FLOPs are counted on the meta device. Default: the model size (machin's proxy).
         seed: Seed of the heuristic's restarts and of the gradient method's start.
-        method: ``"auto"``, ``"exact"``, ``"ilp"`` (needs scipy), ``"heuristic"``, ``"greedy"`` or
+        method: ``"auto"``, ``"exact"``, ``"bnb"``, ``"ilp"`` (needs scipy), ``"heuristic"``, ``"greedy"`` or
             ``"gradient"`` (machin's surrogate, repaired to feasibility; not recommended).
 
     Raises:
