@@ -58,11 +58,20 @@ def _advise_target(target: memoryview) -> None:
 
 
 class _BytesReader(io.BytesIO):
-    """``io.BytesIO`` (which shares a bytes object's buffer) whose ``readinto`` advises large targets first.
+    """``io.BytesIO`` (which shares a bytes object's buffer) with ``peek``, and a ``readinto`` that advises.
 
-    The C unpickler reads a tensor's raw bytes (``BYTEARRAY8``) with ``readinto`` into a bytearray it has just
-    allocated; every other read stays in C.
+    With ``peek`` the C unpickler prefetches a window of the stream and parses it in memory, as
+    :func:`pickle.loads` does, instead of calling ``read`` for every opcode. It reads a tensor's raw bytes
+    (``BYTEARRAY8``) with ``readinto`` into a bytearray it has just allocated, which is advised first.
     """
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self._view = memoryview(data)
+
+    def peek(self, size: int = 0, /) -> memoryview:
+        at = self.tell()
+        return self._view[at : at + max(size, 1)]
 
     def readinto(self, buffer: Any, /) -> int:
         target = memoryview(buffer).cast("B")
@@ -71,7 +80,7 @@ class _BytesReader(io.BytesIO):
 
 
 class _ViewReader:
-    """A read-only file over a memoryview (what the C unpickler needs: read, readinto, readline)."""
+    """A read-only file over a memoryview (what the C unpickler uses: read, readinto, readline, peek)."""
 
     __slots__ = ("_at", "_view")
 
@@ -84,6 +93,9 @@ class _ViewReader:
         chunk = bytes(self._view[self._at : end])
         self._at = end
         return chunk
+
+    def peek(self, size: int = 0, /) -> memoryview:
+        return self._view[self._at : self._at + max(size, 1)]
 
     def readinto(self, buffer: Any) -> int:
         target = memoryview(buffer).cast("B")
