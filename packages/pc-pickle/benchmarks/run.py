@@ -202,8 +202,10 @@ def main() -> None:
         1.1,
         note=""
         if ratio <= 1.1
-        else f"a reducer_override that does nothing already costs {floor:.2f}x pickle5 here; pc_pickle's "
-        "needs it for tensors and by-value functions",
+        else f"CPython calls reducer_override for every object outside plain data: an empty one already "
+        f"costs {floor:.2f}x pickle5 here (same rounds), and pc_pickle's looks up each object's type in it "
+        "(tensors, by-value functions), which is most of the rest; the payload's envelope (nested graph, "
+        "CRC-32) measured under 2%",
     )
 
     # peak memory of a round trip, in a child process
