@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Report", "Row", "Target", "bench_args", "median_time"]
+__all__ = ["Report", "Row", "Target", "bench_args", "interleaved_min", "median_time"]
 
 
 def bench_args(package: str, argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,12 +61,18 @@ def median_time(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1, numb
 
 
 def interleaved_min(
-    fns: dict[str, Callable[[], Any]], repeat: int, number: int = 1, sync: Callable[[], Any] | None = None
+    fns: dict[str, Callable[[], Any]],
+    repeat: int,
+    number: int = 1,
+    sync: Callable[[], Any] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Per variant, the min over ``repeat`` interleaved rounds of the mean time of ``number`` calls.
 
     The variants run round by round, so a load drift hits them all alike. ``sync`` (e.g.
     ``torch.cuda.synchronize``) runs after the warm-up and after each variant's calls, inside the timing.
+    ``clock`` is wall time by default; ``time.thread_time`` measures the CPU time of single-threaded work,
+    which other processes on a shared machine do not inflate.
     """
     for fn in fns.values():
         fn()
@@ -75,12 +81,12 @@ def interleaved_min(
     best = {name: float("inf") for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             for _ in range(number):
                 fn()
             if sync is not None:
                 sync()
-            best[name] = min(best[name], (time.perf_counter() - start) / number)
+            best[name] = min(best[name], (clock() - start) / number)
     return best
 
 

@@ -137,3 +137,26 @@ def test_bench_gpu_table_is_generated_from_the_committed_gpu_json(tmp_path: Path
     run_all.write_gpu_fragment()
     assert (tmp_path / "gpu.md").read_text() == committed, "docs/bench-tables/gpu.md differs: run run_all.py"
     assert "![" not in committed  # the CPU plots do not belong to the GPU rows
+
+
+def test_bench_issue_targets_each_stand_beside_a_verdict() -> None:
+    run_all = _run_all()
+    first, second = [t for t in run_all.ISSUE_TARGETS if t.package == "pc-pickle"][:2]
+    result = {
+        "package": "pc-pickle",
+        "run_at": "today",
+        "targets": [
+            {"name": first.measured_as, "measured": first.bound / 2, "unit": "x", "met": True, "note": ""},
+            {"name": second.measured_as, "measured": second.bound * 2, "unit": "x", "met": False,
+             "note": "memcpy-bound"},
+        ],
+    }  # fmt: skip
+    rows = run_all.issue_rows([result])
+    assert len(rows) == len(run_all.ISSUE_TARGETS)  # every target is listed, measured or not
+    by_text = {row.split(" | ")[1]: row for row in rows}
+    assert by_text[first.text].endswith("| yes |")
+    assert f"{second.bound * 2:.5g}x (run today)" in by_text[second.text]
+    assert by_text[second.text].endswith("| **no**: memcpy-bound |")
+    unmeasured = next(t for t in run_all.ISSUE_TARGETS if t.package == "pc-pool")
+    assert "| not measured |" in by_text[unmeasured.text]
+    assert by_text[unmeasured.text].endswith("no benchmark measures it yet |")

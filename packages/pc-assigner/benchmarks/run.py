@@ -2,13 +2,22 @@
 
     python packages/pc-assigner/benchmarks/run.py [--quick] [--out results.json]
 
-Every instance's optimal cost is stored in ``optima/`` (``make_optima.py``, exhaustive search or HiGHS), so
-this needs no solver. For each instance we run ``solve_placement(method="auto")`` (ours),
-``method="heuristic"`` (greedy + local search + restarts alone, to show its quality where "auto" searched
-exhaustively) and a re-implementation of machin's gradient descent with its defaults (500 Adam steps, sizes
-in MiB, complexity = size, soft memory, argmax without repair). Costs are judged with alpha = beta = 1; a
-placement over a device's memory counts as infeasible. ``--quick`` keeps n <= 12 (and n = 4 for the gradient
-peer, n <= 8 otherwise). Torch runs on one thread here: the tensors are tiny and the machines are shared.
+Every instance's cost is judged against a **proven lower bound** stored in ``optima/`` (``make_optima.py``):
+the optimum itself where exhaustive search or HiGHS (relative gap 1e-7) proved it, HiGHS's dual bound where
+its time limit stopped it. So a ratio is never flattering: ``cost / bound >= cost / optimum``. For each
+instance we run ``solve_placement(method="auto")`` (ours), ``method="heuristic"`` (greedy + local search +
+restarts alone) and a re-implementation of machin's gradient descent with its defaults (500 Adam steps, sizes
+in MiB, complexity = size, soft memory, argmax without repair). Costs use alpha = beta = 1; a placement over
+a device's memory counts as infeasible. Runtimes are the minimum of interleaved repetitions
+(benchlib.interleaved_min) in CPU time of the solving thread: every solver here is single-threaded (torch on
+one thread), and on the shared machine wall time would count other processes' turns.
+
+The n = 200 instances (``suite.large_suite``) have no proven optimum; they are judged against the LP
+relaxation's optimum (scipy's HiGHS), a lower bound that charges communication only where an item cannot be
+split across devices: where traffic matters the true optimum lies above it. The report gives the makespan
+term alone over the bound as well, to show how much of a gap is traffic the bound does not see.
+
+``--quick`` keeps n <= 12 (machin GD on n = 4) and two n = 200 instances. Torch runs on one thread.
 """
 
 from __future__ import annotations
@@ -20,15 +29,21 @@ import pathlib
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2] / "benchmarks"))
-from benchlib import Report, bench_args  # noqa: E402
+sys.path.insert(0, str(HERE))
+from benchlib import Report, bench_args, interleaved_min  # noqa: E402
+from suite import large_suite  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from pc_assigner import PlacementProblem, placement_cost, solve_placement  # noqa: E402
 from pc_assigner._core import compile_problem  # noqa: E402
 from pc_assigner._gd import gradient_search  # noqa: E402
+from pc_assigner._ilp import lp_lower_bound  # noqa: E402
+
+PROVEN = ("exhaustive", "ilp")
 
 
 def _q(values: list[float], q: float) -> float:
@@ -44,13 +59,155 @@ def _machin_gd(p: PlacementProblem) -> tuple[int, ...]:
     return c.expand(gradient_search(c, seed=0, complexity=sizes, speeds=speeds))
 
 
-def _timed(fn, repeat: int) -> tuple[object, float]:  # type: ignore[no-untyped-def]
-    out, samples = None, []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        samples.append(time.perf_counter() - t0)
-    return out, statistics.median(samples)
+def _keep(out: dict[str, tuple[int, ...]], key: str, p: PlacementProblem, how: str) -> Callable[[], None]:
+    """A timed call that stores its placement in ``out[key]``."""
+
+    def call() -> None:
+        if how == "machin_gd":
+            out[key] = _machin_gd(p)
+        else:
+            out[key] = solve_placement(p, method=how).assignment  # type: ignore[arg-type]
+
+    return call
+
+
+def _suite_rows(report: Report, records: list[dict], quick: bool) -> None:  # type: ignore[type-arg]
+    gd_max_n = 4 if quick else 8
+    repeat = 1 if quick else 3
+    stats: dict[str, dict[str, list[float]]] = {
+        k: {"ratio": [], "time": [], "infeasible": [], "time16": [], "proven_ratio": [], "bound_ratio": []}
+        for k in ("auto", "heuristic", "machin_gd")
+    }
+    proofs = 0
+    slow: list[str] = []
+    deterministic = True
+    solve_placement(PlacementProblem.from_dict(records[0]["problem"]))  # warm up once
+    for rec in tqdm(records, desc="instances", disable=None):
+        p = PlacementProblem.from_dict(rec["problem"])
+        n, bound = rec["params"]["n"], rec["bound"]
+        out: dict[str, tuple[int, ...]] = {}
+        times = interleaved_min(
+            {"auto": _keep(out, "auto", p, "auto"), "heuristic": _keep(out, "heuristic", p, "heuristic")},
+            repeat=repeat,
+            clock=time.thread_time,
+        )
+        if n <= gd_max_n:
+            t_gd = interleaved_min(
+                {"gd": _keep(out, "machin_gd", p, "machin_gd")}, repeat=1, clock=time.thread_time
+            )
+            times["machin_gd"] = t_gd["gd"]
+        for name, a in out.items():
+            cost = placement_cost(p, a)
+            st = stats[name]
+            st["infeasible"].append(0.0 if cost.feasible else 1.0)
+            st["time"].append(times[name])
+            if n <= 16:
+                st["time16"].append(times[name])
+                if name == "auto" and times[name] > 0.020:
+                    slow.append(f"n{n}-m{rec['params']['m']}")
+            if cost.feasible:
+                ratio = cost.total / bound
+                st["ratio"].append(ratio)
+                (st["proven_ratio"] if rec["proof"] in PROVEN else st["bound_ratio"]).append(ratio)
+        result = solve_placement(p)
+        proofs += result.optimal
+        deterministic &= result.assignment == out["auto"]
+    labels = {
+        "auto": "pc_assigner auto",
+        "heuristic": "pc_assigner heuristic",
+        "machin_gd": "machin GD (peer)",
+    }
+    for name, st in stats.items():
+        if not st["time"]:
+            continue
+        base, tag = name == "machin_gd", labels[name]
+        ratios = st["ratio"] or [math.nan]
+        report.row("mean cost/bound (feasible ones)", tag, statistics.mean(ratios), "x", baseline=base)
+        report.row("p90 cost/bound", tag, _q(ratios, 0.9), "x", baseline=base)
+        report.row("max cost/bound", tag, max(ratios), "x", baseline=base)
+        report.row(
+            "fraction optimal (<= 1 + 1e-7 of the bound)",
+            tag,
+            sum(r <= 1 + 1e-7 for r in ratios) / len(st["time"]),
+            "",
+            baseline=base,
+            higher_is_better=True,
+        )
+        report.row("infeasible rate", tag, statistics.mean(st["infeasible"]), "", baseline=base)
+        report.row("p50 runtime (CPU time)", tag, _q(st["time"], 0.5), "s", baseline=base)
+        report.row("p95 runtime (CPU time)", tag, _q(st["time"], 0.95), "s", baseline=base)
+    a = stats["auto"]
+    n_proven = len(a["proven_ratio"])
+    report.note(
+        f"{len(records)} instances, {n_proven} with a proven optimum; machin GD on the "
+        f"{len(stats['machin_gd']['time'])} with n <= {gd_max_n}; auto proved its own placement optimal on "
+        f"{proofs} of {len(records)}"
+    )
+    if a["bound_ratio"]:
+        report.note(
+            f"on the {len(a['bound_ratio'])} instances HiGHS could not prove in 60 s, auto's cost / HiGHS's "
+            f"dual bound: mean {statistics.mean(a['bound_ratio']):.4f}, max {max(a['bound_ratio']):.4f} "
+            "(an upper bound on the true ratio)"
+        )
+    report.target("infeasible placements (auto)", sum(a["infeasible"]), "<=", 0, unit="")
+    report.target("mean cost / proven optimum (auto)", statistics.mean(a["proven_ratio"]), "<=", 1.001)
+    report.target("max cost / proven optimum (auto)", max(a["proven_ratio"]), "<=", 1.02)
+    t16 = _q(a["time16"], 0.95)
+    report.target(
+        "p95 runtime of auto for n <= 16",
+        t16,
+        "<=",
+        0.020,
+        unit="s",
+        note=""
+        if t16 <= 0.020
+        else f"{len(slow)} of {len(a['time16'])} instances took over 20 ms ({', '.join(sorted(slow))}): "
+        "branch and bound bounds tens of thousands of partial placements to prove those optima; "
+        + _load_note(),
+    )
+    report.target("determinism (same seed, same result)", 1.0 if deterministic else 0.0, ">=", 1.0, unit="")
+    gd = stats["machin_gd"]["infeasible"]
+    report.note(
+        f"machin GD (peer) returned a placement over memory on {statistics.mean(gd):.1%} of its instances"
+    )
+
+
+def _load_note() -> str:
+    load = os.getloadavg()[0]
+    return f"measured with load average {load:.1f} on {os.cpu_count()} CPUs (other processes share them)"
+
+
+def _large_rows(report: Report, quick: bool) -> None:
+    ratios, makespan_ratios, times = [], [], []
+    for name, _params, p in tqdm(large_suite(quick), desc="n = 200", disable=None):
+        bound = lp_lower_bound(compile_problem(p))
+        out: dict[str, tuple[int, ...]] = {}
+        t = interleaved_min({"auto": _keep(out, "auto", p, "auto")}, repeat=2, clock=time.thread_time)
+        cost = placement_cost(p, out["auto"])
+        family = name.split("-")[2] + "-" + name.split("-")[4]
+        report.row(f"n = 200 {family}: cost / LP bound", "pc_assigner auto", cost.total / bound, "x")
+        report.row(f"n = 200 {family}: runtime (CPU time)", "pc_assigner auto", t["auto"], "s")
+        ratios.append(cost.total / bound)
+        makespan_ratios.append(p.alpha * cost.makespan / bound)
+        times.append(t["auto"])
+    worst = max(range(len(ratios)), key=lambda i: ratios[i])
+    why = (
+        f"the worst instance's makespan term alone is {makespan_ratios[worst]:.3f}x the bound, so the excess "
+        "is traffic, which the LP relaxation barely charges (an item split evenly over the devices crosses "
+        "no edge): the bound lies below the optimum there by an unknown part of the gap, and no exact "
+        "optimum is known at n = 200 to separate the bound's share from the search's"
+    )
+    report.target(
+        "n = 200: cost / LP lower bound", max(ratios), "<=", 1.05, note="" if max(ratios) <= 1.05 else why
+    )
+    report.target(
+        "n = 200: runtime of auto",
+        max(times),
+        "<=",
+        1.0,
+        unit="s",
+        note="" if max(times) <= 1.0 else "local search is O(n^2) per pass in pure Python; " + _load_note(),
+    )
 
 
 def main() -> None:
@@ -63,85 +220,9 @@ def main() -> None:
     records = [
         r for r in records if r["proof"] != "infeasible" and (not args.quick or r["params"]["n"] <= 12)
     ]
-    gd_max_n = 4 if args.quick else 8
-    repeat = 1 if args.quick else 3
-    stats: dict[str, dict[str, list[float]]] = {
-        k: {"ratio": [], "time": [], "infeasible": [], "small_ratio": [], "time16": []}
-        for k in ("auto", "heuristic", "machin_gd")
-    }
-    exact_ratios: list[float] = []
-    deterministic = True
-    solve_placement(PlacementProblem.from_dict(records[0]["problem"]))  # warm torch up once
-    for rec in tqdm(records, desc="instances", disable=None):
-        p = PlacementProblem.from_dict(rec["problem"])
-        n, m, opt = rec["params"]["n"], rec["params"]["m"], rec["cost"]
-        runs = {
-            "auto": lambda p=p: solve_placement(p).assignment,
-            "heuristic": lambda p=p: solve_placement(p, method="heuristic").assignment,
-        }
-        if n <= gd_max_n:
-            runs["machin_gd"] = lambda p=p: _machin_gd(p)
-        for name, fn in runs.items():
-            a, t = _timed(fn, repeat if name != "machin_gd" else 1)
-            cost = placement_cost(p, a)  # type: ignore[arg-type]
-            st = stats[name]
-            st["infeasible"].append(0.0 if cost.feasible else 1.0)
-            st["time"].append(t)
-            if n <= 16:
-                st["time16"].append(t)
-            if cost.feasible:
-                st["ratio"].append(cost.total / opt)
-                if n <= 10:
-                    st["small_ratio"].append(cost.total / opt)
-            if name == "auto":
-                if m**n <= 1_000_000:
-                    exact_ratios.append(cost.total / opt)
-                deterministic &= solve_placement(p).assignment == a
-    labels = {
-        "auto": "pc_assigner auto",
-        "heuristic": "pc_assigner heuristic",
-        "machin_gd": "machin GD (peer)",
-    }
-    for name, st in stats.items():
-        if not st["time"]:
-            continue
-        base = name == "machin_gd"
-        tag = labels[name]
-        ratios = st["ratio"] or [math.nan]
-        report.row("mean cost/opt (feasible ones)", tag, statistics.mean(ratios), "x", baseline=base)
-        report.row("p90 cost/opt", tag, _q(ratios, 0.9), "x", baseline=base)
-        report.row("max cost/opt", tag, max(ratios), "x", baseline=base)
-        report.row(
-            "fraction optimal (<= 1 + 1e-9)",
-            tag,
-            sum(r <= 1 + 1e-9 for r in ratios) / len(st["time"]),
-            "",
-            baseline=base,
-            higher_is_better=True,
-        )
-        report.row("infeasible rate", tag, statistics.mean(st["infeasible"]), "", baseline=base)
-        report.row("p50 runtime", tag, _q(st["time"], 0.5), "s", baseline=base)
-        report.row("p95 runtime", tag, _q(st["time"], 0.95), "s", baseline=base)
-    a = stats["auto"]
-    report.note(
-        f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (runtimes are noisy)"
-    )
-    report.note(
-        f"{len(records)} instances; machin GD on the {len(stats['machin_gd']['time'])} with n <= {gd_max_n}"
-    )
-    report.note(
-        "ratios are cost / stored optimum; 'incumbent' optima (HiGHS stopped at 20 s) can give ratios < 1"
-    )
-    report.target("infeasible placements (auto)", sum(a["infeasible"]), "<=", 0, unit="")
-    report.target("mean cost/opt over the suite (auto)", statistics.mean(a["ratio"]), "<=", 1.02)
-    report.target("max cost/opt for n <= 10 (auto)", max(a["small_ratio"]), "<=", 1.2)
-    report.target("exact when m^n <= 1e6: max cost/opt", max(exact_ratios), "<=", 1.0 + 1e-9)
-    report.target("p95 runtime of auto for n <= 16", _q(a["time16"], 0.95), "<=", 0.050, unit="s")
-    report.target("determinism (same seed, same result)", 1.0 if deterministic else 0.0, ">=", 1.0, unit="")
-    gd = stats["machin_gd"]["infeasible"]
-    report.note(
-        f"machin GD (peer) returned a placement over memory on {statistics.mean(gd):.1%} of its instances"
-    )
+    _suite_rows(report, records, args.quick)
+    _large_rows(report, args.quick)
+    report.note(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     report.finish(args)
 
 

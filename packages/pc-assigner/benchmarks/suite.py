@@ -18,7 +18,7 @@ import random
 
 from pc_assigner import PlacementProblem
 
-__all__ = ["FAMILIES", "TIGHTNESS", "Instance", "make_instance", "suite"]
+__all__ = ["FAMILIES", "TIGHTNESS", "Instance", "large_suite", "make_instance", "suite"]
 
 FAMILIES = ("chain", "skip", "fanio", "independent")
 TIGHTNESS = (0.6, 0.9, 1.2, 1.5)
@@ -99,3 +99,12 @@ def suite(quick: bool = False) -> list[Instance]:
         out.append(make_instance(8, 1, family, 1.5, "homo", seed=0))
     out.append(make_instance(6, 2, "chain", 1.0, "infeasible", seed=0))
     return out
+
+
+def large_suite(quick: bool = False) -> list[Instance]:
+    """n = 200 modules on 4 devices, every family on both kinds at tightness 1.2 (``quick``: two of them)."""
+    kinds = ("homo", "mixed")
+    families = ("chain", "fanio") if quick else FAMILIES
+    return [make_instance(200, 4, family, 1.2, kind, seed=0) for family in families for kind in kinds][
+        : 2 if quick else None
+    ]

@@ -9,6 +9,7 @@ import random
 import statistics
 from unittest import mock
 
+import numpy as np
 import pytest
 from assigner_testutils import brute_force, random_problem
 
@@ -74,6 +75,64 @@ def test_exact_equals_brute_force_including_ties_and_infeasibility() -> None:
         assert r.assignment == ref[1]
         assert math.isclose(r.cost.total, ref[0], rel_tol=1e-9)
     assert seen_infeasible > 0  # the random set covers the infeasible path too
+
+
+def test_branch_and_bound_equals_brute_force_and_proves_infeasibility() -> None:
+    seen_infeasible = proven = 0
+    for p in _problems(40, seed=21, n_max=6):
+        ref = brute_force(p)
+        if ref is None:
+            seen_infeasible += 1
+            with pytest.raises(InfeasiblePlacementError):
+                solve_placement(p, method="bnb")
+            continue
+        r = solve_placement(p, method="bnb")
+        assert r.method == "bnb"
+        assert r.cost.feasible
+        assert math.isclose(r.cost.total, ref[0], rel_tol=1e-9), (r, ref)
+        proven += r.optimal
+    assert seen_infeasible > 0
+    assert proven >= 30  # tiny problems are proven, not just found
+
+
+def test_auto_uses_branch_and_bound_above_the_exhaustive_limit_and_is_optimal() -> None:
+    rng = random.Random(31)
+    checked = 0
+    for tight, cpu in ((0.9, True), (1.2, False), (1.5, True), (0.6, False)):
+        p = random_problem(rng, 7, 4, tight, cpu=cpu)  # 4**7 = 16384 > AUTO_EXACT_LIMIT placements
+        ref = brute_force(p)
+        if ref is None:
+            continue
+        r = solve_placement(p)
+        assert (r.method, r.optimal) == ("bnb", True)
+        assert math.isclose(r.cost.total, ref[0], rel_tol=1e-9)
+        checked += 1
+    assert checked >= 3
+
+
+def test_branch_and_bound_out_of_budget_is_feasible_and_not_called_optimal() -> None:
+    p = random_problem(random.Random(8), 9, 3, 1.2)
+    exact = solve_placement(p, method="exact")
+    r = solve_placement(p, method="bnb", node_budget=1)
+    assert not r.optimal
+    assert r.cost.feasible
+    assert r.cost.total >= exact.cost.total * (1 - 1e-9)
+    auto = solve_placement(p, node_budget=1)  # auto adds the heuristic when the proof runs out
+    assert not auto.optimal
+    assert auto.cost.total <= r.cost.total * (1 + 1e-12)
+    with pytest.raises(ValueError, match="node_budget"):
+        solve_placement(p, node_budget=0)
+
+
+def test_water_level_is_the_lowest_level_that_takes_the_work() -> None:
+    from pc_assigner._bnb import _water_level
+
+    loads = np.array([[0.0, 2.0, 10.0], [5.0, 5.0, 5.0]])
+    speeds = np.array([1.0, 2.0, 1.0])
+    level = _water_level(loads, speeds, 8.0)
+    # row 0: T = 4 fills device 0 with 4 and device 1 with 2 * 2 = 4; device 2 is above the level
+    # row 1: 8 more work over speeds summing to 4 raises every device by 2
+    assert level.tolist() == pytest.approx([4.0, 7.0])
 
 
 def test_heuristic_feasible_whenever_a_placement_exists_and_close_to_optimal() -> None:

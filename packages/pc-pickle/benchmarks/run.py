@@ -1,15 +1,24 @@
 """pc-pickle benchmark: dumps+loads against pickle protocol 5, dill, cloudpickle and torch's share handle.
 
 Run from the repository root: ``python packages/pc-pickle/benchmarks/run.py [--quick] [--out PATH]``.
-All variants run interleaved in one process with one torch thread; ratios are what counts.
+All variants run interleaved in one process with one torch thread (benchlib.interleaved_min); ratios are what
+counts. Beside the 100 MB case stands its roofline, measured in the same rounds: one 100 MB copy into memory
+already touched (``Tensor.copy_``), into fresh memory (``clone``: every 4 KiB page faults in first), and into
+fresh memory advised to use huge pages. A copy round trip needs two copies into fresh memory (the payload,
+the loaded storage). The peak memory of a round trip is the RSS high-water mark of a child process (torch's
+storage is invisible to tracemalloc), above its RSS with the tensor already allocated.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import pathlib
 import pickle
+import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +29,7 @@ from multiprocessing.reduction import ForkingPickler
 import cloudpickle
 import dill
 import torch
-from benchlib import Report, bench_args, median_time
+from benchlib import Report, bench_args, interleaved_min, median_time
 
 import pc_pickle
 
@@ -46,25 +55,87 @@ PEERS: dict[str, tuple[Callable[[Any], bytes], Callable[[bytes], Any]]] = {
 }
 
 
-def interleaved_min(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
-    """Min wall time per variant, the variants interleaved round by round (load drifts hit all alike)."""
-    for fn in fns.values():  # warm-up
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: min(values) for name, values in samples.items()}
-
-
-def bench_case(report: Report, case: str, obj: Any, repeat: int, peers: list[str]) -> dict[str, float]:
-    fns = {name: (lambda d=PEERS[name][0], ld=PEERS[name][1]: ld(d(obj))) for name in peers}
-    times = interleaved_min(fns, repeat)
-    for name in peers:
+def bench_case(
+    report: Report,
+    case: str,
+    obj: Any,
+    repeat: int,
+    peers: list[str],
+    extra: dict[str, Callable[[], Any]] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
+    fns: dict[str, Callable[[], Any]] = {
+        name: (lambda d=PEERS[name][0], ld=PEERS[name][1]: ld(d(obj))) for name in peers
+    }
+    fns.update(extra or {})
+    times = interleaved_min(fns, repeat, clock=clock)
+    for name in fns:
         report.row(case, name, times[name], baseline=(name == "pickle5"))
     return times
+
+
+def _huge_copy(src: torch.Tensor) -> torch.Tensor:
+    """A copy of ``src`` into fresh memory advised to use huge pages (what pc_pickle's copy path does)."""
+    from pc_pickle._bigbuf import advise
+
+    out = torch.empty_like(src)
+    advise(out.data_ptr(), out.untyped_storage().nbytes())
+    return out.copy_(src)
+
+
+class _Hooked(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        return NotImplemented
+
+
+def _hooked_dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _Hooked(buf, protocol=5).dump(obj)
+    return buf.getvalue()
+
+
+_PEAK_CHILD = textwrap.dedent(
+    """
+    import json, pickle, sys
+    import torch
+    import pc_pickle
+
+    def rss(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(field)
+
+    n = int(sys.argv[2]) * 1_000_000 // 4
+    big = {"weight": torch.randn(n), "step": 3}
+    rounds = {
+        "pc_pickle": lambda: pc_pickle.loads(pc_pickle.dumps(big)),
+        "pickle5": lambda: pickle.loads(pickle.dumps(big, protocol=5)),
+    }
+    rounds[sys.argv[1]]()  # warm-up: imports and first-call allocations are not the round trip's
+    base = rss("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    out = rounds[sys.argv[1]]()
+    print(json.dumps((rss("VmHWM:") - base) / (n * 4)))
+    """
+)
+
+
+def _peak_rss_ratio(mb: int) -> dict[str, float]:
+    """Extra peak RSS of one dumps+loads round trip, in units of the tensor's size, per implementation."""
+    out = {}
+    for name in ("pc_pickle", "pickle5"):
+        proc = subprocess.run(
+            [sys.executable, "-c", _PEAK_CHILD, name, str(mb)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        out[name] = float(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
 
 
 def main() -> None:
@@ -75,19 +146,83 @@ def main() -> None:
     report = Report("pc-pickle")
     report.note(
         f"loadavg at start {os.getloadavg()}; {'quick' if quick else 'full'} run; 1 torch thread; "
-        "(a)-(d): min of interleaved rounds of dumps+loads; (e): median"
+        "(a)-(d): min of interleaved rounds of dumps+loads (wall time; (b) CPU time of the thread: the "
+        "machine is shared and a 10 ms case is easily preempted); (e): median"
     )
 
-    # (a) a dict holding a 100 MB float32 tensor
+    # (a) a dict holding a 100 MB float32 tensor, and the roofline of one 100 MB copy, in the same rounds
     n_big = (10 if quick else 100) * 1_000_000 // 4
     big = {"weight": torch.randn(n_big), "step": 3}
-    t = bench_case(report, f"(a) {n_big * 4 // 1_000_000} MB tensor", big, repeat, list(PEERS))
-    report.target("(a) big tensor dumps+loads vs pickle5", t["pc_pickle"] / t["pickle5"], "<=", 0.5)
+    mb = n_big * 4 // 1_000_000
+    warm = torch.empty(n_big)
+    roof = {
+        "copy into touched memory": lambda: warm.copy_(big["weight"]),
+        "copy into fresh memory": lambda: big["weight"].clone(),
+        "copy into fresh huge pages": lambda: _huge_copy(big["weight"]),
+    }
+    t = bench_case(report, f"(a) {mb} MB tensor", big, repeat, list(PEERS), extra=roof)
+    ratio = t["pc_pickle"] / t["pickle5"]
+    report.note(
+        f"(a) roofline: one {mb} MB copy takes {t['copy into touched memory'] * 1e3:.1f} ms into touched "
+        f"memory, {t['copy into fresh memory'] * 1e3:.1f} ms into fresh 4 KiB pages, "
+        f"{t['copy into fresh huge pages'] * 1e3:.1f} ms into fresh huge pages; pc_pickle's round trip "
+        f"({t['pc_pickle'] * 1e3:.1f} ms) is {t['pc_pickle'] / t['copy into touched memory']:.2f} touched "
+        f"copies; two copies into fresh huge pages (its floor) would be "
+        f"{2 * t['copy into fresh huge pages'] / t['pickle5']:.3f}x pickle5"
+    )
+    floor = 2 * t["copy into fresh huge pages"] / t["pickle5"]
+    if floor > 0.25:
+        why = (
+            f"two copies into fresh memory, the floor, already cost {floor:.3f}x pickle5 here (roofline note)"
+        )
+    else:
+        why = (
+            f"the floor (two copies into fresh huge pages) is {floor:.3f}x pickle5 in the same rounds; the "
+            "round trip is memory-bound and shares the memory bandwidth with the machine's other processes "
+            f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"
+        )
+    report.target(
+        "100 MB tensor dumps+loads vs pickle5", ratio, "<=", 0.25, note="" if ratio <= 0.25 else why
+    )
 
-    # (b) 10,000 small Python objects
+    # (b) 10,000 small Python objects; beside them, pickle5 with an empty Python reducer_override: the cost
+    # any pickler pays that must see each object (CPython calls the hook for every object outside plain data)
     small = [Point(i) if i % 2 else {"id": i, "name": f"n{i}", "v": (i, 0.5)} for i in range(10_000)]
-    t = bench_case(report, "(b) 10k small objects", small, repeat, list(PEERS))
-    report.target("(b) small objects vs pickle5", t["pc_pickle"] / t["pickle5"], "<=", 1.5)
+    hooked = {"pickle5 + empty reducer_override": lambda: pickle.loads(_hooked_dumps(small))}
+    t = bench_case(
+        report, "(b) 10k small objects (CPU time)", small, 3 * repeat, list(PEERS), extra=hooked,
+        clock=time.thread_time,
+    )  # fmt: skip
+    ratio = t["pc_pickle"] / t["pickle5"]
+    floor = t["pickle5 + empty reducer_override"] / t["pickle5"]
+    report.target(
+        "10k small objects vs pickle5",
+        ratio,
+        "<=",
+        1.1,
+        note=""
+        if ratio <= 1.1
+        else f"CPython calls reducer_override for every object outside plain data: an empty one already "
+        f"costs {floor:.2f}x pickle5 here (same rounds), and pc_pickle's looks up each object's type in it "
+        "(tensors, by-value functions), which is most of the rest; the payload's envelope (nested graph, "
+        "CRC-32) measured under 2%",
+    )
+
+    # peak memory of a round trip, in a child process
+    peak = _peak_rss_ratio(mb)
+    report.row(f"peak RSS of dumps+loads, {mb} MB tensor", "pc_pickle", peak["pc_pickle"], "x tensor")
+    report.row(
+        f"peak RSS of dumps+loads, {mb} MB tensor", "pickle5", peak["pickle5"], "x tensor", baseline=True
+    )
+    report.target(
+        "peak RSS of dumps+loads, 100 MB tensor / tensor",
+        peak["pc_pickle"],
+        "<=",
+        2.1,
+        note=""
+        if peak["pc_pickle"] <= 2.1
+        else "more than the payload and the loaded copy are alive at once",
+    )
 
     # (c) 10,000 tiny tensors
     tiny = [torch.randn(4) for _ in range(2_000 if quick else 10_000)]

@@ -15,7 +15,7 @@ from typing import Any
 
 from pc_assigner._core import Compiled
 
-__all__ = ["IlpResult", "ilp_available", "ilp_search"]
+__all__ = ["IlpResult", "ilp_available", "ilp_search", "lp_lower_bound"]
 
 
 @dataclass(frozen=True)
@@ -24,13 +24,16 @@ class IlpResult:
 
     Attributes:
         assignment: Best placement over eligible devices, or ``None``.
-        proven: ``True`` when HiGHS proved optimality (or infeasibility when ``assignment`` is ``None``).
+        proven: ``True`` when HiGHS proved optimality within ``mip_rel_gap`` (or infeasibility when
+            ``assignment`` is ``None``).
         message: HiGHS's status message.
+        bound: HiGHS's proven lower bound on the optimal cost (its dual bound), or ``None`` when it gave none.
     """
 
     assignment: tuple[int, ...] | None
     proven: bool
     message: str
+    bound: float | None = None
 
 
 def ilp_available() -> bool:
@@ -54,16 +57,10 @@ def _import() -> Any:
     return np, Bounds, LinearConstraint, milp, coo_array
 
 
-def ilp_search(c: Compiled, *, time_limit: float = 30.0) -> IlpResult:
-    """Solve ``c`` exactly with HiGHS within ``time_limit`` seconds.
-
-    Raises:
-        ImportError: if scipy is not installed.
-    """
-    np, bounds_cls, constraint_cls, milp, coo_array = _import()
+def _model(c: Compiled) -> tuple[Any, Any, Any, Any, int]:
+    """The objective, constraint matrix and row bounds of the formulation, and the number of x variables."""
+    np, _, _, _, coo_array = _import()
     n, m = c.n, c.m
-    if n == 0:
-        return IlpResult((), True, "empty")
     nx = n * m
     pairs = [(j, q) for j in range(m) for q in range(m) if c.dist[j][q] > 0] if c.beta else []
     ys = [(e, j, q) for e in range(len(c.edges)) for j, q in pairs]
@@ -121,20 +118,88 @@ def ilp_search(c: Compiled, *, time_limit: float = 30.0) -> IlpResult:
         hi.append(math.inf)
         r += 1
     a_mat = coo_array((vals, (rows, cols)), shape=(r, nvar)).tocsr()
+    return obj, a_mat, np.array(lo), np.array(hi), nx
+
+
+def ilp_search(c: Compiled, *, time_limit: float = 30.0, mip_rel_gap: float | None = None) -> IlpResult:
+    """Solve ``c`` exactly with HiGHS within ``time_limit`` seconds.
+
+    Args:
+        c: The compiled problem.
+        time_limit: Seconds HiGHS may run.
+        mip_rel_gap: Relative gap at which HiGHS stops and calls the placement optimal (HiGHS's default,
+            1e-4, when ``None``).
+
+    Raises:
+        ImportError: if scipy is not installed.
+    """
+    np, bounds_cls, constraint_cls, milp, _ = _import()
+    n, m = c.n, c.m
+    if n == 0:
+        return IlpResult((), True, "empty", 0.0)
+    obj, a_mat, lo, hi, nx = _model(c)
+    nvar = len(obj)
     integrality = np.zeros(nvar)
     integrality[:nx] = 1
     lb = np.zeros(nvar)
     ub = np.full(nvar, math.inf)
     ub[:nx] = 1.0
+    options: dict[str, Any] = {"time_limit": float(time_limit), "disp": False}
+    if mip_rel_gap is not None:
+        options["mip_rel_gap"] = float(mip_rel_gap)
     res = milp(
         obj,
-        constraints=constraint_cls(a_mat, np.array(lo), np.array(hi)),
+        constraints=constraint_cls(a_mat, lo, hi),
         integrality=integrality,
         bounds=bounds_cls(lb, ub),
-        options={"time_limit": float(time_limit), "disp": False},
+        options=options,
     )
+    dual = getattr(res, "mip_dual_bound", None)
+    bound = float(dual) if dual is not None and math.isfinite(float(dual)) else None
     if res.x is None:
-        return IlpResult(None, res.status == 2, str(res.message))
+        return IlpResult(None, res.status == 2, str(res.message), bound)
     x = np.asarray(res.x[:nx]).reshape(n, m)
     assignment = tuple(int(j) for j in x.argmax(axis=1))
-    return IlpResult(assignment, res.status == 0, str(res.message))
+    return IlpResult(assignment, res.status == 0, str(res.message), bound)
+
+
+def lp_lower_bound(c: Compiled) -> float:
+    """The optimum of the LP relaxation (``0 <= x <= 1``): a lower bound on every placement's cost.
+
+    It is weak where communication matters (a fractional item split evenly over devices "crosses" no edge), so
+    on most instances it bounds the makespan term only; it proves nothing better than that.
+
+    Raises:
+        ImportError: if scipy is not installed.
+        ValueError: if the relaxation is infeasible (then no placement fits either).
+    """
+    np, _, _, _, _ = _import()
+    from scipy.optimize import linprog
+
+    if c.n == 0:
+        return 0.0
+    obj, a_mat, lo, hi, nx = _model(c)
+    nvar = len(obj)
+    ub = np.full(nvar, math.inf)
+    ub[:nx] = 1.0
+    finite_hi = np.isfinite(hi)
+    finite_lo = np.isfinite(lo)
+    eq = finite_hi & finite_lo & (lo == hi)
+    upper = finite_hi & ~eq
+    lower = finite_lo & ~eq
+    from scipy.sparse import vstack
+
+    a_ub = vstack([a_mat[upper], -a_mat[lower]]).tocsr()
+    b_ub = np.concatenate([hi[upper], -lo[lower]])
+    res = linprog(
+        obj,
+        A_ub=a_ub,
+        b_ub=b_ub,
+        A_eq=a_mat[eq],
+        b_eq=hi[eq],
+        bounds=list(zip(np.zeros(nvar), ub, strict=True)),
+        method="highs",
+    )
+    if res.status != 0:
+        raise ValueError(f"the LP relaxation has no optimum: {res.message}")
+    return float(res.fun)

@@ -17,110 +17,34 @@ balanced makespan ``T0 = sum(compute) / sum(speeds)`` and the traffic of a local
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from pc_assigner._gd import optimize_placement as _optimize_placement
+from pc_assigner._inputs import DeviceLike, check_number, per_device, to_device
+from pc_assigner._items import check_memory, sizes_and_compute, storage_groups
 from pc_assigner._probe import default_devices, probe_memory
-from pc_assigner._sizing import meta_trace, storage_key, unique_bytes
-from pc_assigner.errors import InfeasiblePlacementError
+from pc_assigner._sizing import storage_key
 from pc_assigner.estimator import MIB
-from pc_assigner.problem import PlacementProblem, fits, normalize_traffic
+from pc_assigner.problem import PlacementProblem, normalize_traffic
 from pc_assigner.solve import METHODS, Method, PlacementResult, solve_placement
 
 __all__ = ["DeviceLike", "ModelAssigner"]
 
 logger = logging.getLogger(__name__)
 
-DeviceLike = torch.device | str | int
-"""Anything ``torch.device(...)`` accepts."""
-
-
-def _device(d: Any) -> torch.device:
-    if isinstance(d, bool) or not isinstance(d, (torch.device, str, int)):
-        raise TypeError(f"a device must be a torch.device, str or int, got {type(d).__name__} ({d!r})")
-    try:
-        dev = torch.device(d)
-    except RuntimeError as exc:
-        raise ValueError(f"not a device: {d!r} ({exc})") from exc
-    index: int | None = dev.index  # None for "cuda" without an ordinal (the stubs say int)
-    if dev.type != "cpu" and index is None:
-        dev = torch.device(dev.type, 0)
-    if dev.type == "cpu":
-        dev = torch.device("cpu")  # "cpu:0" and "cpu" are one device
-    return dev
-
-
-def _number(name: str, v: Any, *, positive: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(v).__name__} ({v!r})")
-    f = float(v)
-    if not math.isfinite(f) or f < 0 or (positive and f == 0):
-        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
-    return f
-
-
-def _per_device(name: str, value: Any, devices: list[torch.device]) -> dict[torch.device, float]:
-    """A ``{device: number}`` mapping or a list aligned with ``devices`` -> dict over some ``devices``."""
-    if value is None:
-        return {}
-    if isinstance(value, Mapping):
-        out: dict[torch.device, float] = {}
-        for k, v in value.items():
-            dev = _device(k)
-            if dev not in devices:
-                raise ValueError(
-                    f"{name} names {k!r}, which is not among the devices {[str(d) for d in devices]}"
-                )
-            out[dev] = _number(f"{name}[{k!r}]", v)
-        return out
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        if len(value) != len(devices):
-            raise ValueError(
-                f"{name} as a list must have one entry per device ({len(devices)}), got {len(value)}"
-            )
-        return {d: _number(f"{name}[{i}]", v) for i, (d, v) in enumerate(zip(devices, value, strict=True))}
-    raise TypeError(
-        f"{name} must be a mapping {{device: number}} or a list aligned with devices, "
-        f"got {type(value).__name__}"
-    )
-
-
-def _groups(keysets: list[set[Hashable]]) -> list[list[int]]:
-    """Connected components of models that share at least one storage (union-find, in index order)."""
-    parent = list(range(len(keysets)))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    owner: dict[Hashable, int] = {}
-    for i, keys in enumerate(keysets):
-        for key in keys:
-            if key in owner:
-                a, b = find(owner[key]), find(i)
-                if a != b:
-                    parent[max(a, b)] = min(a, b)
-            else:
-                owner[key] = i
-    comps: dict[int, list[int]] = {}
-    for i in range(len(keysets)):
-        comps.setdefault(find(i), []).append(i)
-    return sorted(comps.values())
-
 
 class ModelAssigner:
     """Assign PyTorch modules to devices within one process, under hard memory limits.
 
     The placement minimises ``complexity_match_weight / T0 * makespan + connection_weight / C0 * traffic x
-    distance`` (see the module docstring) subject to every device's memory limit. It is exact when ``m ** n <=
-    1e6`` (m usable devices, n models after merging models that share storage), and otherwise found by greedy
-    construction plus local search with seeded restarts. The result is deterministic for a ``seed``.
+    distance`` (see the module docstring) subject to every device's memory limit. It is proven optimal by
+    exhaustive search when ``m ** n <= 4096`` (m usable devices, n models after merging models that share
+    storage) and by branch and bound above that, within its node budget; beyond the budget (or 48 items) the
+    best of branch and bound and of greedy construction plus local search with seeded restarts is taken
+    (``result.optimal`` says which). The result is deterministic for a ``seed``.
 
     Args:
         models: Models to assign.
@@ -148,7 +72,7 @@ class ModelAssigner:
         model_complexity: Compute per model: numbers, or one tuple of example inputs per model, from which
             forward + backward FLOPs are counted on the meta device. Default: the model size (machin's proxy).
         seed: Seed of the heuristic's restarts and of the gradient method's start.
-        method: ``"auto"``, ``"exact"``, ``"ilp"`` (needs scipy), ``"heuristic"``, ``"greedy"`` or
+        method: ``"auto"``, ``"exact"``, ``"bnb"``, ``"ilp"`` (needs scipy), ``"heuristic"``, ``"greedy"`` or
             ``"gradient"`` (machin's surrogate, repaired to feasibility; not recommended).
 
     Raises:
@@ -197,15 +121,15 @@ class ModelAssigner:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
             raise ValueError(f"iterations must be an int >= 0, got {iterations!r}")
-        ratio = _number("max_mem_ratio", max_mem_ratio, positive=True)
+        ratio = check_number("max_mem_ratio", max_mem_ratio, positive=True)
         if ratio > 1:
             raise ValueError(f"max_mem_ratio must be in (0, 1], got {max_mem_ratio!r}")
-        multiplier = _number("model_size_multiplier", model_size_multiplier)
-        cpu_w = _number("cpu_weight", cpu_weight)
-        conn_w = _number("connection_weight", connection_weight)
-        cmplx_w = _number("complexity_match_weight", complexity_match_weight)
-        gg = _number("gpu_gpu_distance", gpu_gpu_distance)
-        cg = _number("cpu_gpu_distance", cpu_gpu_distance)
+        multiplier = check_number("model_size_multiplier", model_size_multiplier)
+        cpu_w = check_number("cpu_weight", cpu_weight)
+        conn_w = check_number("connection_weight", connection_weight)
+        cmplx_w = check_number("complexity_match_weight", complexity_match_weight)
+        gg = check_number("gpu_gpu_distance", gpu_gpu_distance)
+        cg = check_number("cpu_gpu_distance", cpu_gpu_distance)
         n_models = len(models)
         edges = normalize_traffic(model_connection, n_models, name="model_connection")
 
@@ -215,13 +139,13 @@ class ModelAssigner:
             raise TypeError(
                 f"devices must be None or a list of devices, got {type(devices).__name__} ({devices!r})"
             )
-        devs = default_devices() if devices is None else [_device(d) for d in devices]
+        devs = default_devices() if devices is None else [to_device(d) for d in devices]
         if not devs:
             raise ValueError("devices must name at least one device, got an empty list")
         if len(set(devs)) != len(devs):
             raise ValueError(f"devices must be distinct, got {[str(d) for d in devs]}")
-        memory = _per_device("device_memory", device_memory, devs)
-        speed = _per_device("device_speed", device_speed, devs)
+        memory = per_device("device_memory", device_memory, devs)
+        speed = per_device("device_speed", device_speed, devs)
         free = [memory[d] if d in memory else float(probe_memory(d)) for d in devs]
         caps = [f * ratio for f in free]
         speeds = [speed.get(d, cpu_w if d.type == "cpu" else 1.0) for d in devs]
@@ -232,12 +156,12 @@ class ModelAssigner:
 
         # -- items: models that share a storage are merged so tied weights stay on one device ------------
         keysets = [{storage_key(t) for t in [*mdl.parameters(), *mdl.buffers()]} for mdl in models]
-        groups = _groups(keysets)
+        groups = storage_groups(keysets)
         item_of = [0] * n_models
         for g, members in enumerate(groups):
             for i in members:
                 item_of[i] = g
-        sizes, compute = self._sizes_and_compute(models, groups, multiplier, model_complexity)
+        sizes, compute = sizes_and_compute(models, groups, multiplier, model_complexity)
         traffic: dict[tuple[int, int], float] = {}
         for i, k, w in edges:
             a, b = item_of[i], item_of[k]
@@ -253,7 +177,7 @@ class ModelAssigner:
             traffic=tuple((a, b, w) for (a, b), w in sorted(traffic.items())),
         )
         usable = base.eligible
-        self._check_memory(base, groups, devs)
+        check_memory(base, groups, devs)
         t0 = sum(compute) / sum(base.effective_speeds[j] for j in usable)
         pair_d = [dist[a][b] for a in usable for b in usable if a != b]
         c0 = sum(traffic.values()) * (sum(pair_d) / len(pair_d) if pair_d else 0.0)
@@ -273,11 +197,11 @@ class ModelAssigner:
             seed=seed,
             gradient_options={
                 "iterations": iterations,
-                "update_rate": _number("update_rate", update_rate),
+                "update_rate": check_number("update_rate", update_rate),
                 "connection_weight": conn_w,
-                "size_match_weight": _number("size_match_weight", size_match_weight),
+                "size_match_weight": check_number("size_match_weight", size_match_weight),
                 "complexity_match_weight": cmplx_w,
-                "entropy_weight": _number("entropy_weight", entropy_weight),
+                "entropy_weight": check_number("entropy_weight", entropy_weight),
                 "size_unit": float(MIB),
             },
         )
@@ -298,80 +222,6 @@ class ModelAssigner:
         if move_models:
             for mdl, dev in zip(models, self._assignment, strict=True):
                 mdl.to(dev)
-
-    @staticmethod
-    def _sizes_and_compute(
-        models: Sequence[torch.nn.Module],
-        groups: list[list[int]],
-        multiplier: float,
-        model_complexity: Sequence[float | tuple[Any, ...]] | None,
-    ) -> tuple[list[float], list[float]]:
-        """Bytes and compute per item (group of models)."""
-        inputs: list[tuple[Any, ...]] | None = None
-        numbers: list[float] | None = None
-        if model_complexity is not None:
-            if isinstance(model_complexity, (str, bytes)) or not isinstance(model_complexity, Sequence):
-                raise TypeError(
-                    f"model_complexity must be a sequence (numbers or tuples of example inputs), "
-                    f"got {type(model_complexity).__name__}"
-                )
-            if len(model_complexity) != len(models):
-                raise ValueError(
-                    f"model_complexity must have one entry per model ({len(models)}), "
-                    f"got {len(model_complexity)}"
-                )
-            if all(isinstance(x, tuple) for x in model_complexity):
-                inputs = [x for x in model_complexity if isinstance(x, tuple)]
-            elif not any(isinstance(x, tuple) for x in model_complexity):
-                numbers = [_number(f"model_complexity[{i}]", x) for i, x in enumerate(model_complexity)]
-            else:
-                raise TypeError(
-                    "model_complexity must be all numbers or all tuples of example inputs, not a mix"
-                )
-        traces = (
-            [meta_trace(mdl, x) for mdl, x in zip(models, inputs, strict=True)]
-            if inputs is not None
-            else None
-        )
-        sizes: list[float] = []
-        compute: list[float] = []
-        for members in groups:
-            seen: set[Hashable] = set()
-            pb = unique_bytes(
-                (t for i in members for t in [*models[i].parameters(), *models[i].buffers()]), seen
-            )
-            if traces is None:
-                size = pb * multiplier
-            else:
-                grads = unique_bytes(p for i in members for p in models[i].parameters() if p.requires_grad)
-                size = pb + 3 * grads + sum(traces[i].activation_bytes for i in members)
-            sizes.append(float(size))
-            if traces is not None:
-                compute.append(float(sum(traces[i].flops for i in members)))
-            elif numbers is not None:
-                compute.append(sum(numbers[i] for i in members))
-            else:
-                compute.append(float(size))
-        return sizes, compute
-
-    @staticmethod
-    def _check_memory(problem: PlacementProblem, groups: list[list[int]], devs: list[torch.device]) -> None:
-        usable = problem.eligible
-        need = sum(problem.sizes)
-        have = sum(problem.capacities[j] for j in usable)
-        if not fits(need, have):
-            raise InfeasiblePlacementError(
-                f"Estimated model will use {need / MIB:.2f} MiB, but only have {have / MIB:.2f} MiB allowed "
-                f"memory in total (on {[str(devs[j]) for j in usable]})."
-            )
-        largest = max(usable, key=lambda j: problem.capacities[j])
-        for g, members in enumerate(groups):
-            if not fits(problem.sizes[g], problem.capacities[largest]):
-                what = f"model {members[0]}" if len(members) == 1 else f"models {members} (sharing storage)"
-                raise InfeasiblePlacementError(
-                    f"{what} will use {problem.sizes[g] / MIB:.2f} MiB, more than any device allows "
-                    f"(largest: {problem.capacities[largest] / MIB:.2f} MiB on {devs[largest]})"
-                )
 
     @property
     def assignment(self) -> list[torch.device]:

@@ -1,9 +1,12 @@
 """Choosing and running a solver for a :class:`~pc_assigner.problem.PlacementProblem`.
 
-``method="auto"`` searches exhaustively when ``m ** n <= 1e6`` (m = eligible devices) and otherwise runs
-greedy construction plus local search with seeded restarts; when those find no feasible placement, the ILP
-decides if scipy is installed. Every method returns a feasible placement or raises
-:class:`~pc_assigner.errors.InfeasiblePlacementError`; none returns a placement over a device's memory.
+``method="auto"`` searches exhaustively when ``m ** n <= AUTO_EXACT_LIMIT`` (m = eligible devices; ties go
+to the lexicographically smallest placement). Above that it starts from greedy construction plus local search
+and runs branch and bound from it (:mod:`pc_assigner._bnb`), which proves the optimum within its node budget.
+Where the budget runs out (or n > ``AUTO_BNB_MAX_N``), the heuristic's seeded restarts run too and the better
+placement is returned, unproven. When nothing feasible is found, the ILP decides if scipy is installed. Every
+method returns a feasible placement or raises :class:`~pc_assigner.errors.InfeasiblePlacementError`; none
+returns a placement over a device's memory.
 """
 
 from __future__ import annotations
@@ -12,22 +15,26 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pc_assigner._core import Compiled, compile_problem
+from pc_assigner._bnb import DEFAULT_NODE_BUDGET, branch_and_bound
+from pc_assigner._core import Compiled, compile_problem, identical_device_classes
 from pc_assigner._exact import EXACT_LIMIT, exact_search
 from pc_assigner._gd import gradient_search
-from pc_assigner._heuristic import first_feasible, greedy, heuristic_search, repair
+from pc_assigner._heuristic import first_feasible, greedy, heuristic_search, local_search, repair
 from pc_assigner._ilp import ilp_available, ilp_search
 from pc_assigner.errors import InfeasiblePlacementError
 from pc_assigner.problem import PlacementCost, PlacementProblem, fits, placement_cost
 
-__all__ = ["AUTO_EXACT_LIMIT", "METHODS", "Method", "PlacementResult", "solve_placement"]
+__all__ = ["AUTO_BNB_MAX_N", "AUTO_EXACT_LIMIT", "METHODS", "Method", "PlacementResult", "solve_placement"]
 
 logger = logging.getLogger(__name__)
 
-Method = Literal["auto", "exact", "ilp", "heuristic", "greedy", "gradient"]
-METHODS: tuple[str, ...] = ("auto", "exact", "ilp", "heuristic", "greedy", "gradient")
-AUTO_EXACT_LIMIT = 1_000_000
-"""``method="auto"`` searches exhaustively when ``m ** n`` is at most this."""
+Method = Literal["auto", "exact", "bnb", "ilp", "heuristic", "greedy", "gradient"]
+METHODS: tuple[str, ...] = ("auto", "exact", "bnb", "ilp", "heuristic", "greedy", "gradient")
+AUTO_EXACT_LIMIT = 4096
+"""``method="auto"`` searches exhaustively when ``m ** n`` is at most this (1e6 before branch and bound, which
+proves the same optima faster above a few thousand placements)."""
+AUTO_BNB_MAX_N = 48
+"""``method="auto"`` runs branch and bound for at most this many items (beyond it, the heuristic only)."""
 
 
 @dataclass(frozen=True)
@@ -37,9 +44,10 @@ class PlacementResult:
     Attributes:
         assignment: Device index (into the problem's devices) of each item.
         cost: Its cost breakdown under the problem's weights.
-        method: The solver that produced it: ``"exact"``, ``"ilp"``, ``"heuristic"``, ``"greedy"`` or
-            ``"gradient"``.
-        optimal: Whether it is proven optimal (exhaustive search, or an ILP solved to optimality).
+        method: The solver that produced it: ``"exact"``, ``"bnb"`` (branch and bound), ``"ilp"``,
+            ``"heuristic"``, ``"greedy"`` or ``"gradient"``.
+        optimal: Whether it is proven optimal (exhaustive search, branch and bound within its budget, or an
+            ILP solved to optimality).
     """
 
     assignment: tuple[int, ...]
@@ -112,21 +120,27 @@ def solve_placement(
     restarts: int | None = None,
     time_limit: float = 30.0,
     gradient_options: dict[str, Any] | None = None,
+    node_budget: int | None = None,
 ) -> PlacementResult:
     """Find a feasible placement of minimal cost.
 
     Args:
         problem: The instance.
-        method: ``"auto"`` (exhaustive when ``m ** n <= 1e6``, else ``"heuristic"``), ``"exact"`` (exhaustive;
-            ``ValueError`` above ``1e7`` placements), ``"ilp"`` (HiGHS; needs scipy), ``"heuristic"`` (greedy,
-            local search, seeded restarts), ``"greedy"`` (construction only) or ``"gradient"`` (machin's
-            surrogate, then repaired; not recommended).
+        method: ``"auto"`` (branch and bound from a local-search start; where its node budget runs out or
+            n > ``AUTO_BNB_MAX_N``, the heuristic too, and the better of the two), ``"bnb"`` (branch and bound
+            alone, proven optimal unless the budget ran out), ``"exact"`` (exhaustive; ``ValueError`` above
+            ``1e7`` placements), ``"ilp"`` (HiGHS; needs scipy), ``"heuristic"`` (greedy, local search,
+            seeded restarts), ``"greedy"`` (construction only) or ``"gradient"`` (machin's surrogate, then
+            repaired; not recommended).
         seed: Seed of the restarts and of the gradient start; the same seed gives the same result.
         restarts: Restart rounds of the heuristic (default ``4 n`` within [8, 64]).
         time_limit: Seconds the ILP may run (``"ilp"`` and the infeasibility fallback).
         gradient_options: Keyword arguments of machin's surrogate for ``method="gradient"`` (``iterations``,
             ``update_rate``, ``connection_weight``, ``size_match_weight``, ``complexity_match_weight``,
             ``entropy_weight``, ``size_unit``).
+        node_budget: Children branch and bound may bound before it gives up its proof (default
+            ``DEFAULT_NODE_BUDGET`` of :mod:`pc_assigner._bnb`); bounds its time, which is about a
+            microsecond per child.
 
     Returns:
         The placement, its cost breakdown and whether it is proven optimal.
@@ -153,6 +167,10 @@ def solve_placement(
         raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     if restarts is not None and (isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0):
         raise ValueError(f"restarts must be None or an int >= 0, got {restarts!r}")
+    if node_budget is not None and (
+        isinstance(node_budget, bool) or not isinstance(node_budget, int) or node_budget < 1
+    ):
+        raise ValueError(f"node_budget must be None or an int >= 1, got {node_budget!r}")
     c = compile_problem(problem)
     _check_totals(problem, c)
     space = c.m**c.n
@@ -197,7 +215,44 @@ def solve_placement(
         if fixed is None:
             return _fallback(problem, c, time_limit, "the gradient method and its repair")
         return _result(problem, c, fixed, "gradient", False)
-    found_h = heuristic_search(c, seed=seed, restarts=restarts)
+    if method in ("auto", "bnb") and (method == "bnb" or c.n <= AUTO_BNB_MAX_N):
+        start = first_feasible(c)
+        incumbent = local_search(c, start) if start is not None else None
+        eff = problem.effective_speeds
+        bnb = branch_and_bound(
+            c, tuple(eff[j] for j in c.devices), incumbent, node_budget=node_budget or DEFAULT_NODE_BUDGET
+        )
+        if bnb.proven and bnb.assignment is None:
+            raise InfeasiblePlacementError("no placement fits the memory limits (proven by branch and bound)")
+        if bnb.proven or method == "bnb":
+            if bnb.assignment is None:
+                return _fallback(problem, c, time_limit, "branch and bound (stopped at its node budget)")
+            return _result(problem, c, _canonical(c, bnb.assignment), "bnb", bnb.proven)
+        found_h = heuristic_search(c, seed=seed, restarts=restarts)
+        if bnb.assignment is not None and (found_h is None or bnb.cost <= c.cost(found_h)):
+            return _result(problem, c, _canonical(c, bnb.assignment), "bnb", False)
+    else:
+        found_h = heuristic_search(c, seed=seed, restarts=restarts)
     if found_h is None:
         return _fallback(problem, c, time_limit, "greedy and local search")
     return _result(problem, c, found_h, "heuristic", c.m == 1)
+
+
+def _canonical(c: Compiled, a: tuple[int, ...]) -> tuple[int, ...]:
+    """Relabel interchangeable devices so that each class's devices are first used in index order (by item).
+
+    Interchangeable devices have equal capacity, times and distances, so the cost and feasibility are kept.
+    """
+    relabel = list(range(c.m))
+    for cls in identical_device_classes(c):
+        if len(cls) < 2:
+            continue
+        members = set(cls)
+        first_use: list[int] = []
+        for j in a:
+            if j in members and j not in first_use:
+                first_use.append(j)
+        first_use += [j for j in cls if j not in first_use]
+        for new, old in zip(cls, first_use, strict=True):
+            relabel[old] = new
+    return tuple(relabel[j] for j in a)

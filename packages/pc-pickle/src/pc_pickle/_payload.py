@@ -7,10 +7,12 @@ rebuild function defined in ``__main__`` would be pickled by value and lose its 
 
 from __future__ import annotations
 
+import ctypes
 import io
 import pickle
 from typing import Any
 
+from pc_pickle._bigbuf import HUGE_MIN, advise
 from pc_pickle._errors import PayloadError
 from pc_pickle._seal import FORMAT_VERSION
 from pc_pickle._tensors import installed_storages, materialize_entry
@@ -49,8 +51,36 @@ class _Unpickler(pickle.Unpickler):
             ) from exc
 
 
+def _advise_target(target: memoryview) -> None:
+    """Huge pages for a large fresh buffer the unpickler reads raw tensor bytes into (see _bigbuf)."""
+    if len(target) >= HUGE_MIN and not target.readonly:
+        advise(ctypes.addressof(ctypes.c_char.from_buffer(target)), len(target))
+
+
+class _BytesReader(io.BytesIO):
+    """``io.BytesIO`` (which shares a bytes object's buffer) with ``peek``, and a ``readinto`` that advises.
+
+    With ``peek`` the C unpickler prefetches a window of the stream and parses it in memory, as
+    :func:`pickle.loads` does, instead of calling ``read`` for every opcode. It reads a tensor's raw bytes
+    (``BYTEARRAY8``) with ``readinto`` into a bytearray it has just allocated, which is advised first.
+    """
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self._view = memoryview(data)
+
+    def peek(self, size: int = 0, /) -> memoryview:
+        at = self.tell()
+        return self._view[at : at + max(size, 1)]
+
+    def readinto(self, buffer: Any, /) -> int:
+        target = memoryview(buffer).cast("B")
+        _advise_target(target)
+        return super().readinto(target)
+
+
 class _ViewReader:
-    """A read-only file over a memoryview (what the C unpickler needs: read, readinto, readline)."""
+    """A read-only file over a memoryview (what the C unpickler uses: read, readinto, readline, peek)."""
 
     __slots__ = ("_at", "_view")
 
@@ -64,8 +94,12 @@ class _ViewReader:
         self._at = end
         return chunk
 
+    def peek(self, size: int = 0, /) -> memoryview:
+        return self._view[self._at : self._at + max(size, 1)]
+
     def readinto(self, buffer: Any) -> int:
         target = memoryview(buffer).cast("B")
+        _advise_target(target)
         chunk = self._view[self._at : self._at + len(target)]
         target[: len(chunk)] = chunk
         self._at += len(chunk)
@@ -79,7 +113,7 @@ class _ViewReader:
 
 def _file_of(data: bytes | bytearray | memoryview) -> Any:
     # BytesIO shares a bytes object's buffer; other buffers are read in place rather than copied.
-    return io.BytesIO(data) if type(data) is bytes else _ViewReader(memoryview(data).cast("B"))
+    return _BytesReader(data) if type(data) is bytes else _ViewReader(memoryview(data).cast("B"))
 
 
 class _ReleaseUnpickler(_Unpickler):

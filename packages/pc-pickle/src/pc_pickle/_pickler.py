@@ -30,6 +30,7 @@ from typing import IO, Any
 
 import torch
 
+from pc_pickle._bigbuf import join
 from pc_pickle._diagnose import find_unpicklable
 from pc_pickle._errors import UnpicklableObjectError
 from pc_pickle._functions import DILL_ONLY_TYPES, needs_by_value, reduce_by_value
@@ -46,43 +47,58 @@ class _GraphPickler(pickle.Pickler):
     """Phase 1: the C pickler with a ``reducer_override`` for tensors, by-value functions and modules."""
 
     def __init__(self, file: IO[bytes], table: StorageTable, recurse: bool) -> None:
-        super().__init__(file, protocol=_PROTOCOL)
-        self._table = table
-        self._recurse = recurse
         # type -> reducer (or None: let pickle decide). Per instance, so dynamically created classes are not
         # kept alive; most graphs have few distinct types, so the lookup is one dict probe per object.
         self._reducers: dict[type, Callable[[Any], Any] | None] = {}
+        # The C pickler calls reducer_override for every object that is not plain data, so its cost is per
+        # object: a plain function in the instance dict (read by the C __init__ below) is called without
+        # binding a method, and the miss path is out of line.
+        self.reducer_override = _make_override(  # type: ignore[method-assign]
+            self._reducers, functools.partial(_choose, table=table, recurse=recurse)
+        )
+        super().__init__(file, protocol=_PROTOCOL)
 
-    def reducer_override(self, obj: Any) -> Any:
-        cls = type(obj)
-        try:
-            reducer = self._reducers[cls]
-        except KeyError:
-            reducer = self._reducers[cls] = self._choose(cls)
+
+def _choose(cls: type, table: StorageTable, recurse: bool) -> Callable[[Any], Any] | None:
+    """The reducer for objects of exact type ``cls``, or ``None`` to let the C pickler decide."""
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        return table.reduce_tensor
+    if cls is torch.UntypedStorage:
+        return table.reduce_untyped_storage
+    if issubclass(cls, torch.TypedStorage):
+        return table.reduce_typed_storage
+    if issubclass(cls, torch.cuda.Event):
+        return table.reduce_event
+    # The reducers cached here must not refer to this pickler (no bound methods of self): a pickler ->
+    # cache -> bound method -> pickler cycle would keep the pickler's memo, and with it every object and
+    # tensor of the graph, alive after dumps returned, until the garbage collector ran.
+    if cls is types.FunctionType or issubclass(cls, type):
+        return functools.partial(_reduce_code, table=table, recurse=recurse)
+    if cls is types.ModuleType:
+        return _reduce_module
+    if cls in DILL_ONLY_TYPES:
+        return functools.partial(reduce_by_value, table=table, recurse=recurse)
+    return None
+
+
+def _make_override(
+    reducers: dict[type, Callable[[Any], Any] | None], choose: Callable[[type], Callable[[Any], Any] | None]
+) -> Callable[[Any], Any]:
+    """``reducer_override`` over a per-pickler cache of reducers by exact type (``None``: plain pickling)."""
+    get = reducers.get
+    missing = object()
+
+    def reducer_override(obj: Any) -> Any:
+        reducer = get(type(obj), missing)
         if reducer is None:
             return NotImplemented
-        return reducer(obj)
+        if reducer is missing:
+            reducer = reducers[type(obj)] = choose(type(obj))
+            if reducer is None:
+                return NotImplemented
+        return reducer(obj)  # type: ignore[operator]
 
-    def _choose(self, cls: type) -> Callable[[Any], Any] | None:
-        table = self._table
-        if cls is torch.Tensor or cls is torch.nn.Parameter:
-            return table.reduce_tensor
-        if cls is torch.UntypedStorage:
-            return table.reduce_untyped_storage
-        if issubclass(cls, torch.TypedStorage):
-            return table.reduce_typed_storage
-        if issubclass(cls, torch.cuda.Event):
-            return table.reduce_event
-        # The reducers cached here must not refer to this pickler (no bound methods of self): a pickler ->
-        # cache -> bound method -> pickler cycle would keep the pickler's memo, and with it every object and
-        # tensor of the graph, alive after dumps returned, until the garbage collector ran.
-        if cls is types.FunctionType or issubclass(cls, type):
-            return functools.partial(_reduce_code, table=table, recurse=self._recurse)
-        if cls is types.ModuleType:
-            return _reduce_module
-        if cls in DILL_ONLY_TYPES:
-            return functools.partial(reduce_by_value, table=table, recurse=self._recurse)
-        return None
+    return reducer_override
 
 
 def _reduce_code(obj: Any, table: StorageTable, recurse: bool) -> Any:
@@ -268,7 +284,7 @@ def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
         >>> out["t"].stride(), out["w"].untyped_storage().data_ptr() == out["t"].untyped_storage().data_ptr()
         ((1, 3), True)
     """
-    return b"".join(_write_payload(obj, recurse, copy_tensor))
+    return join(_write_payload(obj, recurse, copy_tensor))
 
 
 def _write_payload(obj: Any, recurse: bool, copy_tensor: bool) -> list[Any]:
@@ -282,8 +298,8 @@ class _Chunks:
     """A write-only "file" that keeps the pieces the C pickler writes, joined once at the end.
 
     The C pickler hands buffers of 64 KiB and more straight to ``write`` (no copy into its own buffer), so a
-    large tensor costs one copy in :func:`dumps` (the join) instead of the two or three of ``pickle.dumps``,
-    whose output buffer grows by reallocation.
+    large tensor costs one copy in :func:`dumps` (the join, into huge pages: :mod:`pc_pickle._bigbuf`) instead
+    of the two or three of ``pickle.dumps``, whose output buffer grows by reallocation.
     """
 
     __slots__ = ("parts",)

@@ -1,0 +1,244 @@
+"""Branch and bound over partial placements, vectorised with numpy: proven optima beyond exhaustive search.
+
+Items are placed one at a time in a fixed order (the heaviest first; then, while an item has traffic with the
+placed ones, the one with the most). A *block* is a tensor of partial placements at the same depth; a block
+is expanded to all its children at once, each child is bounded, and the children whose bound is not below the
+incumbent are dropped. Blocks wait on a stack (depth first, the lowest bounds on top), so memory stays small.
+
+The bound of a partial placement (a lower bound on the cost of every completion) is::
+
+    alpha * max(largest load,
+                water level: the lowest T with sum_j speed_j * max(0, T - load_j) >= remaining compute,
+                max over unplaced items k of min_j (load_j + time[k][j]))
+  + beta * (traffic between placed items
+            + sum over unplaced items k of min_j (traffic between k and the placed items if k went to j))
+
+and memory prunes children over a capacity, or whose remaining items exceed the room left. Interchangeable
+devices are used in index order (as in exhaustive search). The search starts from an incumbent (greedy plus
+local search) and stops at a node budget: it then returns the best found, unproven. numpy rather than torch:
+the blocks are small and numpy's per-operation cost is a few times lower.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+from pc_assigner._core import Compiled, identical_device_classes, traffic_order
+
+__all__ = ["DEFAULT_NODE_BUDGET", "BnbResult", "branch_and_bound"]
+
+DEFAULT_NODE_BUDGET = 100_000
+"""Children bounded before the search gives up its proof and returns the incumbent."""
+
+_BLOCK = 256  # partial placements expanded together: small blocks dive deep sooner
+
+
+class BnbResult:
+    """Outcome of :func:`branch_and_bound`.
+
+    Attributes:
+        assignment: Best placement found (over eligible devices), or ``None`` if none is feasible.
+        cost: Its cost (``inf`` when ``assignment`` is ``None``).
+        proven: Whether the search finished within its budget: the placement is then optimal (or, with
+            ``assignment`` ``None``, no placement fits).
+        nodes: Children bounded.
+    """
+
+    __slots__ = ("assignment", "cost", "nodes", "proven")
+
+    def __init__(self, assignment: tuple[int, ...] | None, cost: float, proven: bool, nodes: int) -> None:
+        self.assignment = assignment
+        self.cost = cost
+        self.proven = proven
+        self.nodes = nodes
+
+
+_F = npt.NDArray[np.float64]
+_B = npt.NDArray[np.bool_]
+# depth, prefixes, loads, memory, traffic, cross, devices used
+_Block = tuple[int, npt.NDArray[np.int64], _F, _F, _F, _F, _B]
+
+
+def branch_and_bound(
+    c: Compiled,
+    speeds: tuple[float, ...],
+    incumbent: list[int] | None,
+    *,
+    node_budget: int = DEFAULT_NODE_BUDGET,
+) -> BnbResult:
+    """The optimal placement of ``c``, or the best found within ``node_budget`` bounded children.
+
+    Args:
+        c: The compiled problem.
+        speeds: Speed of each eligible device (``c.time[i][j] == compute_i / speeds[j]``).
+        incumbent: A feasible placement to start from (its cost prunes from the first node), or ``None``.
+        node_budget: Children bounded before giving up the proof.
+
+    Returns:
+        The best placement, its cost, and whether it is proven optimal.
+    """
+    n, m = c.n, c.m
+    best_a = tuple(incumbent) if incumbent is not None else None
+    best = c.cost(best_a) if best_a is not None else math.inf
+    if n == 0:
+        return BnbResult((), 0.0, True, 0)
+    order = traffic_order(c)
+    pos = {item: d for d, item in enumerate(order)}
+    time = np.array([c.time[i] for i in order], dtype=np.float64).reshape(n, m)  # in placement order
+    size = np.array([c.size[i] for i in order], dtype=np.float64)
+    cap = np.array(c.cap, dtype=np.float64)
+    cap = cap + np.abs(cap) * 1e-12  # same slack as problem.fits
+    spd = np.array(speeds, dtype=np.float64)
+    work = np.array([c.time[i][0] * speeds[0] for i in order], dtype=np.float64)  # compute of each item
+    rem_work = np.append(np.cumsum(work[::-1])[::-1], 0.0)  # from depth d on
+    rem_size = np.append(np.cumsum(size[::-1])[::-1], 0.0)
+    dist = np.array(c.dist, dtype=np.float64).reshape(m, m)
+    # push[d][j] = (n - d - 1, m): traffic cost added to each later item (placement order) at each device
+    # when the item at depth d goes to device j. ``cross`` rows likewise hold only the items not yet placed.
+    full = np.zeros((n, m, n, m), dtype=np.float64)
+    for i, k, w in c.edges:
+        di, dk = pos[i], pos[k]
+        if di < dk:  # i placed first at j: k at q pays w * dist[j][q]
+            full[di, :, dk, :] += w * dist
+        elif dk < di:  # k placed first at j: i at q pays w * dist[q][j]
+            full[dk, :, di, :] += w * dist.T
+    push = [np.ascontiguousarray(full[d, :, d + 1 :, :]) for d in range(n)]
+    # Every item's times are its compute over the same speeds, so the unplaced item that raises
+    # min_j (load_j + time_j) most is the one with the most compute: its row per depth.
+    heaviest_after = [time[d + 1 + int(np.argmax(work[d + 1 :]))] if d + 1 < n else time[d] for d in range(n)]
+    # Memory forces work: whatever size the other devices have no room for lands on device j, and the least
+    # work that fills a size F is a fractional knapsack over the unplaced items, lowest work per byte first.
+    knap = [_least_work_curve(work[d + 1 :], size[d + 1 :]) for d in range(n)]
+    prev_in_class = [-1] * m
+    for cls in identical_device_classes(c):
+        for r in range(1, len(cls)):
+            prev_in_class[cls[r]] = cls[r - 1]
+    symmetric = any(p >= 0 for p in prev_in_class)
+    eye_t = [np.diag(time[d]) for d in range(n)]  # (m, m): row j adds the item's time to device j
+    eye_s = [np.eye(m) * size[d] for d in range(n)]
+    alpha, beta = c.alpha, c.beta
+
+    stack: list[_Block] = [
+        (
+            0,
+            np.zeros((1, 0), dtype=np.int64),
+            np.zeros((1, m)),
+            np.zeros((1, m)),
+            np.zeros(1),
+            np.zeros((1, n, m)),
+            np.zeros((1, m), dtype=bool),
+        )
+    ]
+    nodes = 0
+    while stack:
+        depth, prefix, loads, mem, comm, cross, used = stack.pop()
+        b = prefix.shape[0]
+        nodes += b * m
+        if nodes > node_budget:
+            return BnbResult(best_a, best, False, nodes)
+        # children: row r * m + j is parent r with the item at this depth on device j
+        c_mem = (mem[:, None, :] + eye_s[depth][None]).reshape(b * m, m)
+        ok = (c_mem <= cap).all(axis=1)
+        ok &= np.clip(cap - c_mem, 0.0, None).sum(axis=1) >= rem_size[depth + 1] * (1 - 1e-12)
+        if symmetric:
+            allowed = np.ones((b, m), dtype=bool)
+            for j, p in enumerate(prev_in_class):
+                if p >= 0:
+                    allowed[:, j] = used[:, p]
+            ok &= allowed.reshape(b * m)
+        keep = np.flatnonzero(ok)
+        if keep.size == 0:
+            continue
+        parent, dev = keep // m, keep % m
+        c_loads = loads[parent] + eye_t[depth][dev]
+        c_mem = c_mem[keep]
+        c_comm = comm[parent] + cross[parent, 0, dev]
+        span = c_loads.max(axis=1)
+        if depth + 1 == n:
+            total = alpha * span + beta * c_comm
+            row = int(np.argmin(total))
+            if float(total[row]) < _below(best):
+                best = float(total[row])
+                placed = [*prefix[int(parent[row])].tolist(), int(dev[row])]
+                a = [0] * n
+                for d, item in enumerate(order):
+                    a[item] = placed[d]
+                best_a = tuple(a)
+            continue
+        c_cross = cross[parent, 1:] + push[depth][dev]
+        bound = beta * (c_comm + c_cross.min(axis=2).sum(axis=1)) if beta else np.zeros(span.shape)
+        span_lb = np.maximum(
+            np.maximum(span, _water_level(c_loads, spd, float(rem_work[depth + 1]))),
+            (c_loads + heaviest_after[depth]).min(axis=1),
+        )
+        curve = knap[depth]
+        if alpha and curve is not None:
+            room = np.clip(cap - c_mem, 0.0, None)
+            forced = np.clip(rem_size[depth + 1] - (room.sum(axis=1, keepdims=True) - room), 0.0, None)
+            xs, ys = curve
+            span_lb = np.maximum(span_lb, (c_loads + np.interp(forced, xs, ys) / spd).max(axis=1))
+        bound = bound + alpha * span_lb
+        sel = np.flatnonzero(bound < _below(best))
+        if sel.size == 0:
+            continue
+        sel = sel[np.argsort(-bound[sel], kind="stable")]  # the lowest bounds are pushed last, popped first
+        c_prefix = np.concatenate([prefix[parent[sel]], dev[sel, None]], axis=1)
+        c_used = used[parent[sel]]
+        c_used[np.arange(sel.size), dev[sel]] = True
+        for start in range(0, sel.size, _BLOCK):
+            part = slice(start, start + _BLOCK)
+            rows = sel[part]
+            stack.append(
+                (
+                    depth + 1,
+                    c_prefix[part],
+                    c_loads[rows],
+                    c_mem[rows],
+                    c_comm[rows],
+                    c_cross[rows],
+                    c_used[part],
+                )
+            )
+    return BnbResult(best_a, best, True, nodes)
+
+
+def _below(best: float) -> float:
+    """The value a bound must stay under to be worth expanding: the incumbent less rounding."""
+    return best - abs(best) * 1e-12 if math.isfinite(best) else math.inf
+
+
+def _least_work_curve(
+    work: npt.NDArray[np.float64], size: npt.NDArray[np.float64]
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None:
+    """Breakpoints (cumulative size, cumulative work) of the least work that fills a size, or ``None``.
+
+    Items of zero size are left out: they never help fill one, so the curve stays strictly increasing in size.
+    """
+    has = size > 0
+    if not bool(has.any()):
+        return None
+    w, s = work[has], size[has]
+    idx = np.argsort(w / s, kind="stable")
+    xs = np.concatenate([[0.0], np.cumsum(s[idx])])
+    ys = np.concatenate([[0.0], np.cumsum(w[idx])])
+    return xs, ys
+
+
+def _water_level(loads: _F, speeds: _F, work: float) -> _F:
+    """Per row, the lowest T with ``sum_j speeds[j] * max(0, T - loads[j]) >= work`` (compute divisible).
+
+    Filling the devices loaded at most as much as device j to one level gives a level T_j; every T_j is at
+    least the true level and one of them equals it (j the busiest device below the level), so the true level
+    is the smallest T_j. Without a sort: m is small, so the (rows, m, m) comparison is cheaper.
+    """
+    if work <= 0:
+        low: _F = loads.min(axis=1)
+        return low
+    below = loads[:, None, :] <= loads[:, :, None]  # below[r, j, i]: device i is loaded at most as device j
+    s_sum = below @ speeds
+    sl_sum = (below * (speeds * loads)[:, None, :]).sum(axis=2)
+    level: _F = ((work + sl_sum) / s_sum).min(axis=1)
+    return level
