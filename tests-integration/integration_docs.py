@@ -20,15 +20,15 @@ invisible on the rendered page.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from integration_procs import run_group
 
 __all__ = [
     "ROOT",
@@ -251,22 +251,4 @@ def run_script(source: str, directory: Path, timeout: float) -> subprocess.Compl
     script = directory / "docs_example.py"
     script.write_text(source, encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with subprocess.Popen(
-        [sys.executable, script.name],
-        cwd=directory,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate(timeout=30)
-            raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # whatever the script left in its group
-                os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_group([sys.executable, script.name], cwd=directory, env=env, timeout=timeout)

@@ -8,15 +8,13 @@ job runs in its own session and is killed as a group whatever happens.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from integration_procs import run_group
 from integration_server_restart import AFTER, BEFORE, serial_weights
 
 SCRIPT = Path(__file__).with_name("integration_server_restart.py")
@@ -42,21 +40,9 @@ def test_torchrun_restarts_the_primary_from_its_checkpoint(tmp_path: Path) -> No
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
     env["PYTHONPATH"] = os.pathsep.join(sys.path)  # the workers import this checkout's packages
-    with subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=150)
-        finally:  # the agent and every worker, on timeout or anything left behind
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, f"--- stdout\n{out}\n--- stderr\n{err}"
+    done = run_group(command, cwd=tmp_path, env=env, timeout=150)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, f"--- stdout\n{out}\n--- stderr\n{err}"
     assert f"rank 0: version {BEFORE + 2}, killing myself" in out, out  # the first attempt really died
     primary = json.loads((tmp_path / "primary.json").read_text())
     client = json.loads((tmp_path / "client.json").read_text())

@@ -7,16 +7,14 @@ MASTER_PORT and join the store that torchrun's agent serves.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from integration_docs import ROOT, parse_blocks
+from integration_procs import run_group
 
 GUIDE = ROOT / "docs" / "distributed.md"
 
@@ -47,21 +45,9 @@ def test_torchrun_example_of_the_guide_runs_under_torchrun(tmp_path: Path) -> No
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    with subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=240)
-        finally:  # the agent and both workers, on timeout or anything left behind
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, f"--- stdout\n{out}\n--- stderr\n{err}"
+    done = run_group(command, cwd=tmp_path, env=env, timeout=240)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, f"--- stdout\n{out}\n--- stderr\n{err}"
     # both ranks write to one pipe: unbuffered, a line and its newline may reach it apart (interleaved)
     assert sorted(re.findall(r"worker\d: sum [0-9.]+, neighbour worker\d", out)) == [
         "worker0: sum 3.0, neighbour worker1",
