@@ -80,9 +80,14 @@ def _combine(msgs: list[_ChildMessage], device: torch.device) -> tuple[torch.Ten
     total = sum(m.n for m in msgs)
     if len(msgs) == 1:
         return msgs[0].mean, msgs[0].m2, total
-    means = torch.stack([m.mean.to(device) for m in msgs])
-    m2s = torch.stack([m.m2.to(device) for m in msgs])
-    weights = torch.tensor([m.n for m in msgs], dtype=means.dtype, device=device).unsqueeze(1)
+    means = torch.stack([m.mean if m.mean.device == device else m.mean.to(device) for m in msgs])
+    m2s = torch.stack([m.m2 if m.m2.device == device else m.m2.to(device) for m in msgs])
+    counts = [m.n for m in msgs]
+    if all(c == counts[0] for c in counts):  # equal chunks (the usual split): no weight tensor
+        mean = means.mean(0)
+        m2 = torch.add(m2s.sum(0), (means - mean).square().sum(0), alpha=counts[0])
+        return mean, m2, total
+    weights = torch.tensor(counts, dtype=means.dtype, device=device).unsqueeze(1)
     mean = (means * weights).sum(0) / total
     m2 = m2s.sum(0) + (weights * (means - mean).square()).sum(0)
     return mean, m2, total
@@ -239,8 +244,14 @@ class _SyncBNMixin(nn.Module):
             )
         inv_std = torch.rsqrt(m2 / total + self.eps)
         self._update_running_stats(mean, m2 / (total - 1))
+        same = _MasterMessage(mean, inv_std)
         return [
-            (ident, _MasterMessage(mean.to(m.mean.device), inv_std.to(m.mean.device)))
+            (
+                ident,
+                same
+                if m.mean.device == device
+                else _MasterMessage(mean.to(m.mean.device), inv_std.to(m.mean.device)),
+            )
             for ident, m in intermediates
         ]
 
