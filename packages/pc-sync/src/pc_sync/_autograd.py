@@ -6,7 +6,7 @@ addcmul and their broadcasting backwards: 3-4x the CPU time of ``nn.BatchNorm2d`
 These two functions keep the full-size work to the minimum:
 
 - forward: one reduction for the mean, one subtraction (``centered``, saved once and shared by both nodes),
-  one reduction of the squares, one product and one in-place add for ``y``;
+  one reduction of the squares, one fused per-channel affine pass for ``y``;
 - backward: ``_Normalize`` reduces ``sum(g)`` and ``sum(g * centered)`` (the gradients of ``shift`` and
   ``scale``) and hands ``g`` itself over; ``_LocalStats``, which autograd runs after every node between
   them (they are downstream of it), then writes the whole
@@ -44,6 +44,19 @@ def _reduce_dims(x: torch.Tensor) -> list[int]:
 
 def _channel_shape(x: torch.Tensor) -> list[int]:
     return [1, x.size(1)] + [1] * (x.dim() - 2)
+
+
+def _affine(t: torch.Tensor, factor: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``t * factor + offset`` per channel, in one fused pass (a new tensor).
+
+    This is torch's eval-mode batch norm with mean 0, variance 1 and eps 0 (``1 / sqrt(1) == 1`` exactly): one
+    read and one write, where a product and an in-place add take two of each (measured 0.69 ms vs 0.90 ms for
+    1.6M floats), and ``addcmul`` with a broadcast ``self`` is slower still.
+    """
+    channels = t.size(1)
+    stats = t.new_zeros(2, channels)
+    stats[1] = 1.0
+    return torch.nn.functional.batch_norm(t, stats[0], stats[1], factor, offset, False, 0.0, 0.0)
 
 
 class _Handoff:
@@ -84,15 +97,12 @@ class _LocalStats(torch.autograd.Function):
         shape = _channel_shape(centered)
         if g_mean is None and g_m2 is None and pending is None:
             return None, None
+        factor = 2 * g_m2 if g_m2 is not None else centered.new_zeros(centered.size(1))
+        offset = g_mean / ctx.count if g_mean is not None else centered.new_zeros(centered.size(1))
+        dx = _affine(centered, factor.to(centered.dtype), offset.to(centered.dtype))
         if pending is not None:
             grad, scale = pending
-            dx = grad * scale.reshape(shape)
-        else:
-            dx = torch.zeros_like(centered)
-        if g_m2 is not None:
-            dx.addcmul_(centered, (2 * g_m2).reshape(shape))
-        if g_mean is not None:
-            dx.add_((g_mean / ctx.count).reshape(shape))
+            dx.addcmul_(grad, scale.reshape(shape))
         return dx, None
 
 
@@ -108,10 +118,9 @@ class _Normalize(torch.autograd.Function):
         shift: torch.Tensor,
         handoff: _Handoff,
     ) -> torch.Tensor:
-        shape = _channel_shape(centered)
         ctx.save_for_backward(centered, scale)
         ctx.handoff = handoff
-        return (centered * scale.reshape(shape)).add_(shift.reshape(shape))
+        return _affine(centered, scale.to(centered.dtype), shift.to(centered.dtype))
 
     @staticmethod
     @once_differentiable
