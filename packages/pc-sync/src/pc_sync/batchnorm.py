@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import nn
 
+from pc_sync._autograd import _Handoff, local_stats, normalize
 from pc_sync.comm import SlavePipe, SyncMaster, check_timeout
 from pc_sync.errors import DEFAULT_SYNC_TIMEOUT
 
@@ -51,25 +52,22 @@ class _MasterMessage(NamedTuple):
     inv_std: torch.Tensor
 
 
-def _local_stats(x: torch.Tensor) -> tuple[_ChildMessage, torch.Tensor]:
-    """Per-channel (mean, M2, count) of ``x`` and ``x`` centered on its own mean.
+def _local_stats(x: torch.Tensor) -> tuple[_ChildMessage, torch.Tensor, torch.Tensor, _Handoff | None]:
+    """Per-channel (mean, M2, count) of ``x``; ``x`` as the statistics' dtype, centered on its mean.
 
     Two passes (mean, then squared deviations) are as accurate as Welford's and several times faster than
     ``torch.var_mean`` over the non-contiguous ``(0, 2, ...)`` dims on CPU. The normalization reuses the
     centered tensor, so it is the only full-size tensor saved for backward. fp16/bf16 inputs give fp32
-    statistics.
+    statistics. The last item links the two autograd nodes of the call (``None`` for an empty input).
     """
     channels = x.size(1)
     count = x.numel() // channels if channels else 0
     xs = x.float() if x.dtype in _LOW_PRECISION else x
     if count == 0:
         zeros = xs.new_zeros(channels)
-        return _ChildMessage(zeros, zeros, 0), xs
-    dims = [0, *range(2, x.dim())]
-    local_mean = xs.mean(dims, keepdim=True)
-    centered = xs - local_mean
-    m2 = centered.square().sum(dims)
-    return _ChildMessage(local_mean.reshape(channels), m2, count), centered
+        return _ChildMessage(zeros, zeros, 0), xs, xs, None
+    mean, m2, centered, handoff = local_stats(xs)
+    return _ChildMessage(mean, m2, count), xs, centered, handoff
 
 
 def _combine(msgs: list[_ChildMessage], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -82,9 +80,14 @@ def _combine(msgs: list[_ChildMessage], device: torch.device) -> tuple[torch.Ten
     total = sum(m.n for m in msgs)
     if len(msgs) == 1:
         return msgs[0].mean, msgs[0].m2, total
-    means = torch.stack([m.mean.to(device) for m in msgs])
-    m2s = torch.stack([m.m2.to(device) for m in msgs])
-    weights = torch.tensor([m.n for m in msgs], dtype=means.dtype, device=device).unsqueeze(1)
+    means = torch.stack([m.mean if m.mean.device == device else m.mean.to(device) for m in msgs])
+    m2s = torch.stack([m.m2 if m.m2.device == device else m.m2.to(device) for m in msgs])
+    counts = [m.n for m in msgs]
+    if all(c == counts[0] for c in counts):  # equal chunks (the usual split): no weight tensor
+        mean = means.mean(0)
+        m2 = torch.add(m2s.sum(0), (means - mean).square().sum(0), alpha=counts[0])
+        return mean, m2, total
+    weights = torch.tensor(counts, dtype=means.dtype, device=device).unsqueeze(1)
     mean = (means * weights).sum(0) / total
     m2 = m2s.sum(0) + (weights * (means - mean).square()).sum(0)
     return mean, m2, total
@@ -195,15 +198,20 @@ class _SyncBNMixin(nn.Module):
         pipe = self._slave_pipe
         if pipe is None and master.nr_slaves == 0:
             return super().forward(input)  # type: ignore[no-any-return]
-        msg, centered = _local_stats(input)
+        msg, xs, centered, handoff = _local_stats(input)
         if pipe is None:
             reply = master.run_master(msg, timeout=self.sync_timeout)
         else:
             reply = pipe.run_slave(msg, timeout=self.sync_timeout)
-        return self._normalize(centered, msg.mean, reply).to(input.dtype)
+        return self._normalize(xs, centered, msg.mean, reply, handoff).to(input.dtype)
 
     def _normalize(
-        self, centered: torch.Tensor, local_mean: torch.Tensor, stats: _MasterMessage
+        self,
+        x: torch.Tensor,
+        centered: torch.Tensor,
+        local_mean: torch.Tensor,
+        stats: _MasterMessage,
+        handoff: _Handoff | None,
     ) -> torch.Tensor:
         """``(x - mean) * scale + bias``, computed as ``centered * scale + shift``.
 
@@ -214,10 +222,13 @@ class _SyncBNMixin(nn.Module):
         weight = cast("torch.Tensor | None", self.weight)
         bias = cast("torch.Tensor | None", self.bias)
         scale = stats.inv_std if weight is None else stats.inv_std * weight
-        shift = (local_mean - stats.mean) * scale
+        shift = (local_mean.detach() - stats.mean) * scale
         if bias is not None:
             shift = shift + bias
-        return torch.addcmul(shift.reshape(shape), centered, scale.reshape(shape))
+        if handoff is None:
+            shape = [1, centered.size(1)] + [1] * (centered.dim() - 2)
+            return torch.addcmul(shift.reshape(shape), centered, scale.reshape(shape))
+        return normalize(x, centered, scale, shift, handoff)
 
     def _data_parallel_master(
         self, intermediates: list[tuple[Hashable, Any]]
@@ -233,8 +244,14 @@ class _SyncBNMixin(nn.Module):
             )
         inv_std = torch.rsqrt(m2 / total + self.eps)
         self._update_running_stats(mean, m2 / (total - 1))
+        same = _MasterMessage(mean, inv_std)
         return [
-            (ident, _MasterMessage(mean.to(m.mean.device), inv_std.to(m.mean.device)))
+            (
+                ident,
+                same
+                if m.mean.device == device
+                else _MasterMessage(mean.to(m.mean.device), inv_std.to(m.mean.device)),
+            )
             for ident, m in intermediates
         ]
 
