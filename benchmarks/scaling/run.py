@@ -10,8 +10,9 @@ weak scaling: the work per process is fixed, so the ideal throughput at N is N t
   torchrun per simulated host, static rendezvous), one process per host (H = 1, 2, 3). Needs root and
   ``ip netns``; without them the host curves are reported as not measured, with the reason.
 
-The jobs run in interleaved rounds (every point once per round), so a load drift of the shared machine hits
-every point alike; each point is the median over the rounds, with min and max. Weak-scaling efficiency is
+The jobs run in rounds (every point once per round); each point is the best of its repetitions (the highest
+throughput: the least disturbed by other work on a shared machine, as the minimum times of
+benchlib.interleaved_min), drawn with the lowest and the highest. Weak-scaling efficiency is
 ``throughput(N) / (N * throughput(1))`` (ideal 1) and, because every simulated host and process shares this
 machine's cores, also ``throughput(N) / (min(N, cores) * throughput(1))``: the efficiency against the cores
 actually available.
@@ -29,7 +30,6 @@ import json
 import os
 import pathlib
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -124,7 +124,7 @@ def measure(
     errors: list[str] = []
     for r in range(rounds):
         for axis, n in points:
-            start = time.monotonic()
+            start, load = time.monotonic(), os.getloadavg()[0]
             try:
                 run = run_processes if axis == "processes" else run_hosts
                 result = run(n, dp_steps, pushes, reps)
@@ -132,7 +132,7 @@ def measure(
                 errors.append(f"round {r + 1}, {n} {axis}: {type(exc).__name__}: {str(exc)[-600:]}")
                 print(errors[-1], flush=True)
                 continue
-            result.update(_throughputs(result))
+            result.update(_throughputs(result), load=load)
             samples[(axis, n)].append(result)
             print(
                 f"round {r + 1}: {n} {axis}: {max(result['gs']):.1f} pushes/s, "
@@ -157,12 +157,12 @@ def _cpu_shares(jobs: list[dict[str, Any]]) -> list[float]:
 def curve(
     key: str, axis: str, xs: tuple[int, ...], samples: dict[Any, Any], cores: int, why_not: str
 ) -> dict[str, Any]:
-    """One curve: per point the median throughput over every repetition of every round with min and max, and
+    """One curve: per point the best throughput over every repetition of every round, with min and max, and
     the efficiencies."""
     what, unit = WHAT[key]
     values = [[v for s in samples.get((axis, n), []) for v in s[key]] for n in xs]
     complete = all(values) and not why_not
-    med = [statistics.median(v) if v else float("nan") for v in values]
+    med = [max(v) if v else float("nan") for v in values]  # the best repetition
     base = med[0]
     return {
         "name": f"{what} scaling over {AXIS[axis]}",
@@ -186,7 +186,7 @@ def curve(
 
 def main() -> None:
     args = bench_args("scaling")
-    rounds, dp_steps, pushes, reps = (1, 10, 20, 1) if args.quick else (1, 30, 100, 3)
+    rounds, dp_steps, pushes, reps = (1, 10, 20, 1) if args.quick else (1, 15, 40, 6)
     cores = len(os.sched_getaffinity(0))
     hosts_reason = unavailable_reason()
     samples, errors = measure(rounds, dp_steps, pushes, reps, hosts_reason is None)
@@ -236,14 +236,20 @@ def main() -> None:
         "bridge, not a network's bandwidth."
     )
     report.note(
-        f"{rounds} round(s) of every point, {reps} repetition(s) in each job (after its warm-up), median of "
-        "them shown with min and max; DataParallel: blocking, 2.1M-parameter MLP, "
+        f"{rounds} round(s) of every point, {reps} repetition(s) in each job (after its warm-up), the best "
+        "of them shown with min and max; DataParallel: blocking, 2.1M-parameter MLP, "
         f"{dp_steps} steps of a 64-sample batch per process; gradient server: {pushes} pushes of 100k floats "
         "per client, every rank a client and a secondary reducer, the primary on rank 0."
     )
     report.note(
         "A curve's target has no bound (the issue gives none): met means every point was measured; its "
         "value is the weak-scaling efficiency at the largest point."
+    )
+    loads = {f"{n} {axis}": s["load"] for (axis, n), runs in samples.items() for s in runs}
+    report.note(
+        "Load average (1 min) of the machine as each job began, other work on it included: "
+        + ", ".join(f"{k}: {v:.1f}" for k, v in loads.items())
+        + f" ({cores} cores). A job that began under more load measures lower; rerun on a quiet machine."
     )
     for c in curves:
         if c["cpu_per_wall"] and c["complete"]:

@@ -1,7 +1,7 @@
 """The report's table and plots of the scaling curves (benchmarks/scaling/run.py), used by run_all.py.
 
 A curve (one entry of ``curves`` in ``docs/assets/bench/cpu/scaling.json``) holds, per point ``x`` (processes
-or simulated hosts), the median ``throughput`` with its ``min`` and ``max``, the weak-scaling ``efficiency``
+or simulated hosts), the best ``throughput`` with its ``min`` and ``max``, the weak-scaling ``efficiency``
 (``throughput / (x * throughput at 1)``, ideal 1) and ``efficiency_cores`` (against ``min(x, cores)``).
 """
 
@@ -27,7 +27,7 @@ def _f(value: float) -> str:
 def curve_table(curves: list[dict[str, Any]]) -> list[str]:
     """Markdown rows: every point of every curve beside the ideal and its two efficiencies."""
     lines = [
-        "| curve | N | throughput, median (min to max) | ideal (N x at 1) | efficiency vs ideal | "
+        "| curve | N | throughput, best (min to max) | ideal (N x at 1) | efficiency vs ideal | "
         "efficiency vs cores |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
@@ -54,7 +54,8 @@ def plot_curve_figure(curve: dict[str, Any], title: str) -> Any:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     err = [[y - lo for y, lo in zip(ys, curve["min"], strict=True)]]
     err.append([hi - y for y, hi in zip(ys, curve["max"], strict=True)])
-    left.errorbar(xs, ys, yerr=err, marker="o", capsize=4, label="measured (median, min to max)")
+    label = "measured (best of the repetitions, min to max)"
+    left.errorbar(xs, ys, yerr=err, marker="o", capsize=4, label=label)
     left.plot(xs, [n * base for n in xs], "k--", linewidth=0.9, label="ideal: N x throughput at 1")
     left.plot(
         xs,
