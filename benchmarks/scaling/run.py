@@ -62,16 +62,17 @@ def _read(out: pathlib.Path, logs: str) -> dict[str, Any]:
     return dict(json.loads(path.read_text()))
 
 
-def run_processes(n: int, dp_steps: int, pushes: int, reps: int) -> dict[str, Any]:
-    """One ``torchrun --standalone`` job of ``n`` processes on this machine."""
+def run_processes(points: tuple[int, ...], args: list[str]) -> dict[str, Any]:
+    """One ``torchrun --standalone`` job of ``max(points)`` processes on this machine."""
     with tempfile.TemporaryDirectory(prefix="pc-scaling-") as tmp:
         out = pathlib.Path(tmp)
         log = out / "torchrun.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        n = max(points)
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
         with open(log, "wb") as fh:
             proc = subprocess.Popen(
-                [*argv, WORKER, str(out), str(dp_steps), str(pushes), str(reps)],
+                [*argv, WORKER, str(out), ",".join(map(str, points)), *args],
                 env=env,
                 stdout=fh,
                 stderr=subprocess.STDOUT,
@@ -92,11 +93,11 @@ def run_processes(n: int, dp_steps: int, pushes: int, reps: int) -> dict[str, An
         return _read(out, text)
 
 
-def run_hosts(n: int, dp_steps: int, pushes: int, reps: int) -> dict[str, Any]:
-    """One job on ``n`` simulated hosts (network namespaces), one process each."""
-    with tempfile.TemporaryDirectory(prefix="pc-scaling-") as tmp, SimHosts(n) as hosts:
+def run_hosts(points: tuple[int, ...], args: list[str]) -> dict[str, Any]:
+    """One job on ``max(points)`` simulated hosts (network namespaces), one process each."""
+    with tempfile.TemporaryDirectory(prefix="pc-scaling-") as tmp, SimHosts(max(points)) as hosts:
         out = pathlib.Path(tmp)
-        script = [WORKER, str(out), str(dp_steps), str(pushes), str(reps)]
+        script = [WORKER, str(out), ",".join(map(str, points)), *args]
         job = TorchrunJob(hosts, script, out, nproc_per_node=1)
         codes = job.wait(JOB_TIMEOUT)
         if any(codes):
@@ -104,54 +105,57 @@ def run_hosts(n: int, dp_steps: int, pushes: int, reps: int) -> dict[str, Any]:
         return _read(out, job.all_logs())
 
 
-def _throughputs(result: dict[str, Any]) -> dict[str, list[float]]:
-    """Per repetition: pushes/s of all clients together and samples/s of all processes together."""
-    size = result["world_size"]
-    return {
-        "gs": [size * result["pushes_per_client"] / s for s in result["push_s"]],
-        "dp": [size * result["batch"] * result["dp_steps"] / s for s in result["dp_s"]],
-    }
+def split(result: dict[str, Any], load: float) -> dict[int, dict[str, Any]]:
+    """A job's result per point: per repetition, pushes/s applied of all clients together and samples/s of
+    all processes together, with rank 0's times and counters."""
+    per_point = {}
+    for key, reps in result["samples"].items():
+        n = int(key)
+        per_point[n] = {
+            "gs": [n * result["pushes_per_client"] / r["push_s"] for r in reps],
+            "gs_returned": [n * result["pushes_per_client"] / r["push_returned_s"] for r in reps],
+            "dp": [n * result["batch"] * result["dp_steps"] / r["dp_s"] for r in reps],
+            "push_s": [r["push_s"] for r in reps],
+            "push_cpu_s": [r["push_cpu_s"] for r in reps],
+            "load": load,
+            **result["counters"].get(key, {}),
+        }
+    return per_point
 
 
 def measure(
-    rounds: int, dp_steps: int, pushes: int, reps: int, hosts_ok: bool
-) -> tuple[dict[Any, Any], list[str]]:
-    """Every point once per round; returns ``{(axis, n): [job results]}`` and the errors."""
-    points: list[tuple[str, int]] = [("processes", n) for n in PROCESSES]
-    if hosts_ok:
-        points += [("hosts", n) for n in HOSTS]
-    samples: dict[tuple[str, int], list[dict[str, Any]]] = {p: [] for p in points}
+    rounds: int, args: list[str], hosts_ok: bool
+) -> tuple[dict[tuple[str, int], list[dict[str, Any]]], list[str]]:
+    """One job per axis and round; returns ``{(axis, n): [per-point records]}`` and the errors."""
+    axes = [("processes", PROCESSES)] + ([("hosts", HOSTS)] if hosts_ok else [])
+    samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
     errors: list[str] = []
     for r in range(rounds):
-        for axis, n in points:
+        for axis, points in axes:
             start, load = time.monotonic(), os.getloadavg()[0]
             try:
                 run = run_processes if axis == "processes" else run_hosts
-                result = run(n, dp_steps, pushes, reps)
-            except Exception as exc:  # one failed point fails its curve, not the run
-                errors.append(f"round {r + 1}, {n} {axis}: {type(exc).__name__}: {str(exc)[-600:]}")
+                result = run(points, args)
+            except Exception as exc:  # a failed job fails its axis's curves, not the run
+                errors.append(f"round {r + 1}, {axis}: {type(exc).__name__}: {str(exc)[-600:]}")
                 print(errors[-1], flush=True)
                 continue
-            result.update(_throughputs(result), load=load)
-            samples[(axis, n)].append(result)
-            print(
-                f"round {r + 1}: {n} {axis}: {max(result['gs']):.1f} pushes/s, "
-                f"{max(result['dp']):.1f} samples/s "
-                f"({time.monotonic() - start:.1f} s)",
-                flush=True,
-            )
+            for n, record in split(result, load).items():
+                samples.setdefault((axis, n), []).append(record)
+                print(
+                    f"round {r + 1}: {n} {axis}: {max(record['gs']):.1f} pushes/s, "
+                    f"{max(record['dp']):.1f} samples/s",
+                    flush=True,
+                )
+            print(f"round {r + 1}: {axis}: {time.monotonic() - start:.1f} s", flush=True)
     return samples, errors
 
 
-def _cpu_shares(jobs: list[dict[str, Any]]) -> list[float]:
-    """Rank 0's and the other ranks' (mean) CPU seconds per wall second of the push phases."""
-    if not jobs:
-        return []
-    job = jobs[0]
-    wall = sum(job["push_s"])
-    cpu = job["push_cpu_s"]
-    others = cpu[1:]
-    return [cpu[0] / wall, sum(others) / len(others) / wall if others else float("nan")]
+def _cpu_share(records: list[dict[str, Any]]) -> float:
+    """Rank 0's CPU seconds per wall second of the push phases (it holds the primary reducer)."""
+    if not records:
+        return float("nan")
+    return sum(sum(r["push_cpu_s"]) for r in records) / sum(sum(r["push_s"]) for r in records)
 
 
 def curve(
@@ -178,7 +182,7 @@ def curve(
         "efficiency_cores": [t / (min(n, cores) * base) for t, n in zip(med, xs, strict=True)],
         "cores": cores,
         # CPU seconds per wall second during the push phases, rank 0 (the primary) and the others' mean
-        "cpu_per_wall": [_cpu_shares(samples.get((axis, n), [])) for n in xs] if key == "gs" else [],
+        "cpu_per_wall": [_cpu_share(samples.get((axis, n), [])) for n in xs] if key == "gs" else [],
         "complete": complete,
         "why_not": why_not or ("" if complete else "a point of the curve failed (see the notes)"),
     }
@@ -186,10 +190,10 @@ def curve(
 
 def main() -> None:
     args = bench_args("scaling")
-    rounds, dp_steps, pushes, reps = (1, 10, 20, 1) if args.quick else (1, 15, 40, 6)
+    rounds, dp_steps, pushes, reps = (1, 6, 10, 2) if args.quick else (1, 15, 40, 4)
     cores = len(os.sched_getaffinity(0))
     hosts_reason = unavailable_reason()
-    samples, errors = measure(rounds, dp_steps, pushes, reps, hosts_reason is None)
+    samples, errors = measure(rounds, [str(dp_steps), str(pushes), str(reps)], hosts_reason is None)
     report = Report("scaling")
     curves = []
     for key in WHAT:
@@ -209,12 +213,6 @@ def main() -> None:
                         baseline=(i == 0),
                         higher_is_better=True,
                     )
-            for i, n in enumerate(xs[1:], start=1):
-                if c["samples"][i]:
-                    eff_case = f"{case}: weak-scaling efficiency (ideal 1)"
-                    report.row(eff_case, f"{n} {axis}: vs ideal", c["efficiency"][i], "")
-                    cores_n = min(n, cores)
-                    report.row(eff_case, f"{n} {axis}: vs {cores_n} cores", c["efficiency_cores"][i], "")
             eff = ", ".join(
                 f"{n}: {e:.2f} (cores: {ec:.2f})"
                 for n, e, ec in zip(xs, c["efficiency"], c["efficiency_cores"], strict=True)
@@ -236,32 +234,38 @@ def main() -> None:
         "bridge, not a network's bandwidth."
     )
     report.note(
-        f"{rounds} round(s) of every point, {reps} repetition(s) in each job (after its warm-up), the best "
-        "of them shown with min and max; DataParallel: blocking, 2.1M-parameter MLP, "
-        f"{dp_steps} steps of a 64-sample batch per process; gradient server: {pushes} pushes of 100k floats "
-        "per client, every rank a client and a secondary reducer, the primary on rank 0."
+        f"One job per axis and round ({rounds} round(s)) measures every point of the axis, interleaved: "
+        f"{reps} repetitions, each point in turn (the order reversed every other time), the first N ranks "
+        "of the job making the point N while the others wait; the best repetition is shown, with min and "
+        f"max. DataParallel: blocking, 2.1M-parameter MLP, {dp_steps} steps of a 64-sample batch per "
+        f"process. Gradient server: {pushes} pushes of 100k floats per client, every rank a client and a "
+        "secondary reducer, the primary on rank 0; pushes/s counts a push once the primary applied it "
+        "(returned-only rates and drops below)."
     )
     report.note(
         "A curve's target has no bound (the issue gives none): met means every point was measured; its "
         "value is the weak-scaling efficiency at the largest point."
     )
-    loads = {f"{n} {axis}": s["load"] for (axis, n), runs in samples.items() for s in runs}
+    loads = sorted({f"{axis}: {s['load']:.1f}" for (axis, _), runs in samples.items() for s in runs})
     report.note(
         "Load average (1 min) of the machine as each job began, other work on it included: "
-        + ", ".join(f"{k}: {v:.1f}" for k, v in loads.items())
-        + f" ({cores} cores). A job that began under more load measures lower; rerun on a quiet machine."
+        + ", ".join(loads)
+        + f" ({cores} cores). Under load every point measures lower; the interleaving keeps the ratios fair."
     )
     for c in curves:
         if c["cpu_per_wall"] and c["complete"]:
-            shares = "; ".join(
-                f"{n}: rank 0 {s[0]:.2f}" + (f", others {s[1]:.2f}" if n > 1 else "")
-                for n, s in zip(c["x"], c["cpu_per_wall"], strict=True)
-                if s
+            recs = [samples[(c["axis"], n)] for n in c["x"]]
+            detail = "; ".join(
+                f"{n}: rank 0 {share:.2f} CPU-s per s, returned "
+                f"{max(v for r in rs for v in r['gs_returned']):.4g}"
+                f" pushes/s, dropped {sum(r.get('dropped', 0) for r in rs):g} of"
+                f" {sum(r.get('applied', 0) + r.get('dropped', 0) for r in rs):g}"
+                for n, share, rs in zip(c["x"], c["cpu_per_wall"], recs, strict=True)
             )
             report.note(
-                f"{c['name']}: CPU seconds per wall second during the pushes (process_time, every thread; "
-                f"rank 0 holds the primary reducer, the ordered server every pull asks, a secondary and a "
-                f"client): {shares}; {cores} cores in all."
+                f"{c['name']}: rank 0 (the primary reducer, the ordered server every pull asks, a secondary "
+                f"and a client) during the pushes, CPU seconds per wall second (process_time, every thread), "
+                f"the best rate at which pushes returned (queued), and the pushes dropped: {detail}."
             )
     for err in errors:
         report.note(f"failed: {err}")

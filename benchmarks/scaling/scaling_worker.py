@@ -1,16 +1,20 @@
 """The worker of the scaling benchmark, started by torchrun (one per process of the job; see run.py).
 
-``python scaling_worker.py <out_dir> <dp_steps> <pushes> <reps>``: every rank measures, in this order,
+``python scaling_worker.py <out_dir> <points> <dp_steps> <pushes> <reps>``: one job measures every point of
+an axis (``points``, comma-separated: the first N ranks of the job make the point N), interleaved, so a load
+drift of the shared machine hits every point alike. For every point N the first N ranks build, once:
 
-1. DataParallel (blocking) on a 2.1M-parameter MLP with a fixed batch per process (weak scaling): ``reps``
-   times ``dp_steps`` timed steps (after 3 warm-up steps), each from one barrier to the next;
-2. a PushPullGradServerImpl with its primary reducer on rank 0 and a secondary reducer on every rank, every
-   rank a client pushing ``pushes`` gradients of 100k floats (a push returns once queued, then pulls the
-   newest model), ``reps`` times, each timed from one barrier to the next; then the time until the primary
-   applied every push.
+1. a blocking DataParallel of the 2.1M-parameter MLP on a collective group of the N ranks, a fixed batch of 64
+   samples per process (weak scaling);
+2. a PushPullGradServerImpl on an RPC group of the N ranks: the primary reducer on rank 0, a secondary reducer
+   on every rank, every rank a client pushing gradients of 100k floats (a push returns once queued, then pulls
+   the newest model).
 
-Rank 0 writes ``<out_dir>/result.json`` (the slowest rank's times); the others write nothing. Times are
-measured with a monotonic clock and only reported.
+Then ``reps`` times, for every point in turn (the order reversed every other repetition), the N ranks time
+``dp_steps`` DataParallel steps and ``pushes`` pushes per client, each from one barrier of the N ranks to the
+next, the pushes until the primary has applied (or dropped) every one of them; the other ranks wait on a
+barrier of the whole job meanwhile. Rank 0, a member of every point, times them and writes
+``<out_dir>/result.json``. Times are measured with a monotonic clock and only reported.
 """
 
 from __future__ import annotations
@@ -20,14 +24,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from pc_distributed import DataParallel, DataParallelOptimizer, World
 
-WAIT = 120.0  # seconds for a barrier on a loaded 2-core machine
+WAIT = 180.0  # seconds for a barrier on a loaded 2-core machine
 WIDTH = 1024  # MLP 512 -> 1024 -> 1024 -> 512: 2.1M parameters (the pc-distributed benchmark's model)
 BATCH = 64  # samples per process per step
 GRAD = (4, 25_000)  # the gradient server's model: 4 tensors of 25k floats (the pc-server benchmark's)
@@ -53,126 +56,142 @@ class Blob(nn.Module):
         self.ps = nn.ParameterList([nn.Parameter(torch.zeros(size)) for _ in range(n)])
 
 
-def data_parallel(group: Any, rank: int, steps: int, reps: int) -> list[float]:
-    """Seconds for ``steps`` blocking DataParallel steps (barrier to barrier, this rank's view), per rep."""
-    net = mlp()
-    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
-    dp = DataParallel(net, optimizer=opt, blocking_parameter_updates=True)
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(BATCH, WIDTH // 2, generator=g), torch.randn(BATCH, WIDTH // 2, generator=g)
+class Point:
+    """One point N of the axis, on one of its N ranks: its DataParallel and its gradient server."""
 
-    def step() -> None:
-        opt.zero_grad()
-        ((dp(x) - y) ** 2).mean().backward()
-        opt.step()
+    def __init__(self, world: World, n: int, rank: int) -> None:
+        from pc_server import PushPullGradServerImpl
 
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(reps):
-        group.barrier(WAIT)
-        start = time.monotonic()
-        for _ in range(steps):
-            step()
-        group.barrier(WAIT)
-        times.append(time.monotonic() - start)
-    return times
+        self.n, self.rank = n, rank
+        self.collective = world.create_collective_group(list(range(n)), timeout=WAIT)  # every rank calls
+        if rank >= n:
+            return
+        net = mlp()
+        self.opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+        self.dp = DataParallel(net, optimizer=self.opt, blocking_parameter_updates=True, comm=self.collective)
+        g = torch.Generator().manual_seed(rank)
+        self.x = torch.randn(BATCH, WIDTH // 2, generator=g)
+        self.y = torch.randn(BATCH, WIDTH // 2, generator=g)
+        names = [world.name_of(r) for r in range(n)]
+        self.group = world.create_rpc_group(f"scaling{n}", names, timeout=WAIT)
+        self.impl = PushPullGradServerImpl(
+            f"gs{n}",
+            self.group,
+            primary_reducer=names[0],
+            secondary_reducers=names,
+            reduce_batch_size=4,
+            flush_timeout=0.05,
+        )
+        if rank == 0:
+            managed = Blob(*GRAD)
+            self.impl.manage_model(managed, torch.optim.SGD(managed.parameters(), lr=1e-3))
+        self.impl.start()
+        self.group.barrier(WAIT)
+        self.gs = self.group.get_paired(f"gs{n}").to_here()
+        self.model = Blob(*GRAD)
+        self.grads = [torch.randn(GRAD[1]) for _ in range(GRAD[0])]
+        self.pushed = 0  # pushes of every client so far (rank 0 waits until the primary has them all)
+        for _ in range(3):
+            self.step()
+        self.push()
 
+    def step(self) -> None:
+        """One DataParallel training step."""
+        self.opt.zero_grad()
+        ((self.dp(self.x) - self.y) ** 2).mean().backward()
+        self.opt.step()
 
-def grad_server(group: Any, rank: int, pushes: int, reps: int) -> dict[str, Any]:
-    """Push throughput of every rank as a client (barrier to barrier) and the time until all were applied."""
-    from pc_server import PushPullGradServerImpl
-
-    names = group.get_group_members()
-    impl = PushPullGradServerImpl(
-        "gs",
-        group,
-        primary_reducer=names[0],
-        secondary_reducers=names,
-        reduce_batch_size=4,
-        flush_timeout=0.05,
-    )
-    if rank == 0:
-        managed = Blob(*GRAD)
-        impl.manage_model(managed, torch.optim.SGD(managed.parameters(), lr=1e-3))
-    impl.start()
-    group.barrier(WAIT)
-    gs = group.get_paired("gs").to_here()
-    model = Blob(*GRAD)
-    grads = [torch.randn(GRAD[1]) for _ in range(GRAD[0])]
-
-    def push() -> None:
-        for p, g in zip(model.ps, grads, strict=True):
+    def push(self) -> None:
+        """One gradient push (and the pull that follows it)."""
+        for p, g in zip(self.model.ps, self.grads, strict=True):
             p.grad = g.clone()
-        gs.push(model)
+        self.gs.push(self.model)
+        self.pushed += self.n
 
-    push()  # warm-up: the connections to every reducer
-    out: dict[str, Any] = {"push_s": [], "push_cpu_s": []}
-    for _ in range(reps):
-        group.barrier(WAIT)
+    def drained(self) -> bool:
+        """Rank 0: the primary has applied or dropped every push so far."""
+        stats = self.impl.stats()
+        return stats.applied + stats.pushes.dropped_overflow + stats.dropped_stale >= self.pushed
+
+    def wait_drained(self) -> None:
+        """Rank 0: wait (bounded) until :meth:`drained`."""
+        deadline = time.monotonic() + WAIT
+        while not self.drained():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"point {self.n}: the primary did not apply {self.pushed} pushes in {WAIT} s"
+                )
+            time.sleep(0.001)
+
+    def measure(self, dp_steps: int, pushes: int) -> dict[str, float]:
+        """Time ``dp_steps`` steps and ``pushes`` pushes per client, barrier to barrier (rank 0's view)."""
+        self.collective.barrier()
+        start = time.monotonic()
+        for _ in range(dp_steps):
+            self.step()
+        self.collective.barrier()
+        dp_s = time.monotonic() - start
+        if self.rank == 0:
+            self.wait_drained()  # the warm-up's pushes (first repetition), so they cost no measurement
+        self.collective.barrier()
         start, cpu = time.monotonic(), time.process_time()
         for _ in range(pushes):
-            push()
-        group.barrier(WAIT)
-        out["push_s"].append(time.monotonic() - start)
-        out["push_cpu_s"].append(time.process_time() - cpu)  # this process, every thread (reducers, RPC)
-    if rank == 0:  # wait until the primary has applied (or dropped) every push, warm-ups included
-        total = len(names) * (reps * pushes + 1)
-        deadline = time.monotonic() + WAIT
-        while True:
-            stats = impl.stats()
-            if stats.applied + stats.pushes.dropped_overflow + stats.dropped_stale >= total:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the primary applied {stats.applied} of {total} pushes in {WAIT:g} s")
-            time.sleep(0.002)
-        out["drain_s"] = time.monotonic() - start  # after the last repetition's pushes began
-        out["applied"] = float(stats.applied)
-        out["dropped"] = float(stats.pushes.dropped_overflow + stats.dropped_stale)
-        out["steps"] = float(stats.steps)
-    group.barrier(WAIT)
-    impl.stop(timeout=WAIT)
-    impl.watch()
-    group.barrier(WAIT)
-    return out
+            self.push()
+        self.collective.barrier()
+        returned_s = time.monotonic() - start
+        if self.rank == 0:
+            self.wait_drained()
+        applied_s = time.monotonic() - start
+        cpu_s = time.process_time() - cpu
+        return {"dp_s": dp_s, "push_returned_s": returned_s, "push_s": applied_s, "push_cpu_s": cpu_s}
+
+    def stop(self) -> dict[str, float]:
+        """Stop the gradient server; return its counters (rank 0)."""
+        stats = self.impl.stats()
+        out = {
+            "applied": float(stats.applied),
+            "dropped": float(stats.dropped_overflow + stats.dropped_stale),
+        }
+        self.group.barrier(WAIT)
+        self.impl.stop(timeout=WAIT)
+        self.impl.watch()
+        self.group.barrier(WAIT)
+        return out
 
 
 def main() -> None:
-    out, dp_steps, pushes, reps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    out = Path(sys.argv[1])
+    points = [int(p) for p in sys.argv[2].split(",")]
+    dp_steps, pushes, reps = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     world = World(name=f"w{rank}", dist_timeout=WAIT, rpc_timeout=WAIT)
-    size = world.world_size
-    group = world.create_rpc_group("scaling", world.get_members())
-    group.barrier(WAIT)
-    dp_s = data_parallel(group, rank, dp_steps, reps)
-    gs = grad_server(group, rank, pushes, reps)
-    mine = {"rank": rank, "dp_s": dp_s, **gs}
-    group.pair(f"result{rank}", mine)
-    group.barrier(WAIT)
+    everyone = world.create_rpc_group("scaling", world.get_members(), timeout=WAIT)
+    built = [Point(world, n, rank) for n in points]
+    samples: dict[int, list[dict[str, float]]] = {n: [] for n in points}
+    for rep in range(reps):
+        for point in built if rep % 2 == 0 else reversed(built):
+            everyone.barrier(WAIT)
+            if rank < point.n:
+                samples[point.n].append(point.measure(dp_steps, pushes))
+    everyone.barrier(WAIT)
+    counters = {p.n: p.stop() for p in built if rank < p.n}
+    everyone.barrier(WAIT)
     if rank == 0:
-        every = [group.get_paired(f"result{r}").to_here() for r in range(size)]
-        result: dict[str, Any] = {
-            "world_size": size,
+        result = {
+            "world_size": world.world_size,
             "hosts": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+            "points": points,
             "dp_steps": dp_steps,
             "batch": BATCH,
             "pushes_per_client": pushes,
             "reps": reps,
-            # per repetition, the slowest rank's time (every rank runs between the same two barriers)
-            "dp_s": [max(r["dp_s"][i] for r in every) for i in range(reps)],
-            "push_s": [max(r["push_s"][i] for r in every) for i in range(reps)],
-            # CPU seconds of each rank during the push phases (rank 0 hosts the primary reducer)
-            "push_cpu_s": [sum(r["push_cpu_s"]) for r in every],
-            "drain_s": gs["drain_s"],
-            "applied": gs["applied"],
-            "dropped": gs["dropped"],
-            "server_steps": gs["steps"],
+            "samples": {str(n): s for n, s in samples.items()},
+            "counters": {str(n): c for n, c in counters.items()},
         }
         tmp = out / ".result.json"
         tmp.write_text(json.dumps(result))
         tmp.replace(out / "result.json")
-    group.barrier(WAIT)
     world.stop(timeout=30)
 
 
