@@ -117,6 +117,10 @@ def split(result: dict[str, Any], load: float) -> dict[int, dict[str, Any]]:
             "dp": [n * result["batch"] * result["dp_steps"] / r["dp_s"] for r in reps],
             "push_s": [r["push_s"] for r in reps],
             "push_cpu_s": [r["push_cpu_s"] for r in reps],
+            "dp_s": [r["dp_s"] for r in reps],
+            # CPU seconds of the point's N ranks together (absent in a result without them)
+            "all_push_cpu_s": [r.get("all_push_cpu_s", float("nan")) for r in reps],
+            "all_dp_cpu_s": [r.get("all_dp_cpu_s", float("nan")) for r in reps],
             "load": load,
             **result["counters"].get(key, {}),
         }
@@ -151,11 +155,12 @@ def measure(
     return samples, errors
 
 
-def _cpu_share(records: list[dict[str, Any]]) -> float:
-    """Rank 0's CPU seconds per wall second of the push phases (it holds the primary reducer)."""
+def _cpu_share(records: list[dict[str, Any]], cpu: str = "push_cpu_s", wall: str = "push_s") -> float:
+    """CPU seconds per wall second over every repetition: by default rank 0's (the primary reducer's) during
+    the pushes; ``all_push_cpu_s`` / ``all_dp_cpu_s`` with ``dp_s``: the point's N ranks together."""
     if not records:
         return float("nan")
-    return sum(sum(r["push_cpu_s"]) for r in records) / sum(sum(r["push_s"]) for r in records)
+    return sum(sum(r[cpu]) for r in records) / sum(sum(r[wall]) for r in records)
 
 
 def curve(
@@ -252,6 +257,17 @@ def main() -> None:
         + ", ".join(loads)
         + f" ({cores} cores). Under load every point measures lower; the interleaving keeps the ratios fair."
     )
+    for axis, xs in (("processes", PROCESSES), ("hosts", HOSTS)):
+        if all((axis, n) in samples for n in xs):
+            used = "; ".join(
+                f"{n}: {_cpu_share(samples[(axis, n)], 'all_dp_cpu_s', 'dp_s'):.2f} in DataParallel steps, "
+                f"{_cpu_share(samples[(axis, n)], 'all_push_cpu_s'):.2f} in pushes"
+                for n in xs
+            )
+            report.note(
+                f"CPU seconds per wall second of the N ranks together (process_time, every thread), by "
+                f"{axis}: {used}; at most {cores} on this machine, less under the other work's load."
+            )
     for c in curves:
         if c["cpu_per_wall"] and c["complete"]:
             recs = [samples[(c["axis"], n)] for n in c["x"]]

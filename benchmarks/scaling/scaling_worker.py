@@ -73,7 +73,7 @@ class Point:
         self.x = torch.randn(BATCH, WIDTH // 2, generator=g)
         self.y = torch.randn(BATCH, WIDTH // 2, generator=g)
         names = [world.name_of(r) for r in range(n)]
-        self.group = world.create_rpc_group(f"scaling{n}", names, timeout=WAIT)
+        self.group = world.create_rpc_group(f"point{n}", names, timeout=WAIT)
         self.impl = PushPullGradServerImpl(
             f"gs{n}",
             self.group,
@@ -126,11 +126,12 @@ class Point:
     def measure(self, dp_steps: int, pushes: int) -> dict[str, float]:
         """Time ``dp_steps`` steps and ``pushes`` pushes per client, barrier to barrier (rank 0's view)."""
         self.collective.barrier()
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.process_time()
         for _ in range(dp_steps):
             self.step()
         self.collective.barrier()
         dp_s = time.monotonic() - start
+        dp_cpu_s = time.process_time() - cpu
         if self.rank == 0:
             self.wait_drained()  # the warm-up's pushes (first repetition), so they cost no measurement
         self.collective.barrier()
@@ -142,8 +143,15 @@ class Point:
         if self.rank == 0:
             self.wait_drained()
         applied_s = time.monotonic() - start
+        self.collective.barrier()  # the others' CPU time includes the drain (their secondaries forward)
         cpu_s = time.process_time() - cpu
-        return {"dp_s": dp_s, "push_returned_s": returned_s, "push_s": applied_s, "push_cpu_s": cpu_s}
+        return {
+            "dp_s": dp_s,
+            "dp_cpu_s": dp_cpu_s,
+            "push_returned_s": returned_s,
+            "push_s": applied_s,
+            "push_cpu_s": cpu_s,
+        }
 
     def stop(self) -> dict[str, float]:
         """Stop the gradient server; return its counters (rank 0)."""
@@ -166,7 +174,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     world = World(name=f"w{rank}", dist_timeout=WAIT, rpc_timeout=WAIT)
-    everyone = world.create_rpc_group("scaling", world.get_members(), timeout=WAIT)
+    everyone = world.create_rpc_group("everyone", world.get_members(), timeout=WAIT)
     built = [Point(world, n, rank) for n in points]
     samples: dict[int, list[dict[str, float]]] = {n: [] for n in points}
     for rep in range(reps):
@@ -174,7 +182,17 @@ def main() -> None:
             everyone.barrier(WAIT)
             if rank < point.n:
                 samples[point.n].append(point.measure(dp_steps, pushes))
+    everyone.pair(
+        f"cpu{rank}", {n: [(r["dp_cpu_s"], r["push_cpu_s"]) for r in s] for n, s in samples.items()}
+    )
     everyone.barrier(WAIT)
+    if rank == 0:
+        every = [everyone.get_paired(f"cpu{r}").to_here() for r in range(world.world_size)]
+        for n, reps_of in samples.items():  # CPU seconds of the point's N ranks together, per repetition
+            for i, record in enumerate(reps_of):
+                record["all_dp_cpu_s"] = sum(e[n][i][0] for e in every[:n])
+                record["all_push_cpu_s"] = sum(e[n][i][1] for e in every[:n])
+    everyone.barrier(WAIT)  # rank 0 has every rank's CPU times
     counters = {p.n: p.stop() for p in built if rank < p.n}
     everyone.barrier(WAIT)
     if rank == 0:
