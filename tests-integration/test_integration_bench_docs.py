@@ -174,9 +174,9 @@ def _scaling_run() -> Any:
     return module
 
 
-def _job(gs: list[float], dp: list[float]) -> dict[str, Any]:
+def _job(gs: list[float], dp: list[float], gs_cpu: list[float]) -> dict[str, Any]:
     # 2 s of pushes over 2 repetitions; rank 0 used 1.5 CPU seconds
-    return {"gs": gs, "dp": dp, "push_s": [1.0, 1.0], "push_cpu_s": [1.0, 0.5]}
+    return {"gs": gs, "dp": dp, "gs_cpu": gs_cpu, "push_s": [1.0, 1.0], "push_cpu_s": [1.0, 0.5]}
 
 
 def test_bench_scaling_job_splits_into_points_with_their_throughputs() -> None:
@@ -186,7 +186,9 @@ def test_bench_scaling_job_splits_into_points_with_their_throughputs() -> None:
         "dp_steps": 5,
         "samples": {
             "1": [{"push_s": 0.5, "push_returned_s": 0.25, "dp_s": 1.0, "push_cpu_s": 0.4}],
-            "2": [{"push_s": 1.0, "push_returned_s": 0.5, "dp_s": 2.0, "push_cpu_s": 0.6}],
+            "2": [
+                {"push_s": 1.0, "push_returned_s": 0.5, "dp_s": 2.0, "push_cpu_s": 0.6, "all_push_cpu_s": 1.0}
+            ],
         },
         "counters": {"1": {"applied": 11.0, "dropped": 0.0}, "2": {"applied": 20.0, "dropped": 2.0}},
     }
@@ -197,14 +199,15 @@ def test_bench_scaling_job_splits_into_points_with_their_throughputs() -> None:
     assert points[2]["gs_returned"] == [40.0]
     assert points[2]["dp"] == [2 * 64 * 5 / 2.0]  # samples of every process together
     assert (points[2]["dropped"], points[2]["load"]) == (2.0, 3.5)
+    assert points[2]["gs_cpu"] == [1.0 / 20]  # CPU seconds of both ranks per push
 
 
 def test_bench_scaling_curve_reports_efficiency_beside_the_ideal_and_the_cores() -> None:
     run = _scaling_run()
     samples = {
-        ("processes", 1): [_job([90.0, 100.0, 110.0], [10.0])],
-        ("processes", 2): [_job([150.0], [20.0])],
-        ("processes", 4): [_job([200.0], [20.0])],
+        ("processes", 1): [_job([90.0, 100.0, 110.0], [10.0], [0.02, 0.01, 0.03])],
+        ("processes", 2): [_job([150.0], [20.0], [0.02])],
+        ("processes", 4): [_job([200.0], [20.0], [0.04, 0.05])],
     }
     c = run.curve("gs", "processes", (1, 2, 4), samples, 2, "")
     assert c["name"] in {t.measured_as for t in _run_all().ISSUE_TARGETS if t.package == "scaling"}
@@ -213,6 +216,7 @@ def test_bench_scaling_curve_reports_efficiency_beside_the_ideal_and_the_cores()
     assert (c["min"][0], c["max"][0]) == (90.0, 110.0)
     assert c["efficiency"] == [1.0, 150 / 220, 200 / 440]  # throughput / (N x throughput at 1)
     assert c["efficiency_cores"] == [1.0, 150 / 220, 200 / 220]  # ... / (min(N, 2 cores) x throughput at 1)
+    assert c["efficiency_cpu"] == [1.0, 0.5, 0.25]  # CPU seconds per push at 1 / at N, the cheapest
     assert c["cpu_per_wall"][2] == 0.75  # rank 0's (the primary's) CPU seconds per wall second of the pushes
     del samples[("processes", 4)]  # a failed point: the curve is not complete, so its target is not met
     assert not run.curve("gs", "processes", (1, 2, 4), samples, 2, "")["complete"]

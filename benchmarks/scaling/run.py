@@ -115,6 +115,13 @@ def split(result: dict[str, Any], load: float) -> dict[int, dict[str, Any]]:
             "gs": [n * result["pushes_per_client"] / r["push_s"] for r in reps],
             "gs_returned": [n * result["pushes_per_client"] / r["push_returned_s"] for r in reps],
             "dp": [n * result["batch"] * result["dp_steps"] / r["dp_s"] for r in reps],
+            # CPU seconds of the N ranks together per push / per sample: the cost, whatever the load left
+            "gs_cpu": [
+                r.get("all_push_cpu_s", float("nan")) / (n * result["pushes_per_client"]) for r in reps
+            ],
+            "dp_cpu": [
+                r.get("all_dp_cpu_s", float("nan")) / (n * result["batch"] * result["dp_steps"]) for r in reps
+            ],
             "push_s": [r["push_s"] for r in reps],
             "push_cpu_s": [r["push_cpu_s"] for r in reps],
             "dp_s": [r["dp_s"] for r in reps],
@@ -170,6 +177,8 @@ def curve(
     the efficiencies."""
     what, unit = WHAT[key]
     values = [[v for s in samples.get((axis, n), []) for v in s[key]] for n in xs]
+    costs = [[v for s in samples.get((axis, n), []) for v in s.get(f"{key}_cpu", [])] for n in xs]
+    cost = [min(c) if c else float("nan") for c in costs]
     complete = all(values) and not why_not
     med = [max(v) if v else float("nan") for v in values]  # the best repetition
     base = med[0]
@@ -185,6 +194,10 @@ def curve(
         "samples": [len(v) for v in values],
         "efficiency": [t / (n * base) for t, n in zip(med, xs, strict=True)],
         "efficiency_cores": [t / (min(n, cores) * base) for t, n in zip(med, xs, strict=True)],
+        # CPU cost per unit of work at 1 / at N (the cheapest repetition of each): 1 when adding processes
+        # adds no CPU work per push or sample, whatever share of the cores the machine's load left
+        "cpu_per_unit": cost,
+        "efficiency_cpu": [cost[0] / c for c in cost],
         "cores": cores,
         # CPU seconds per wall second during the push phases, rank 0 (the primary) and the others' mean
         "cpu_per_wall": [_cpu_share(samples.get((axis, n), [])) for n in xs] if key == "gs" else [],

@@ -28,8 +28,8 @@ def curve_table(curves: list[dict[str, Any]]) -> list[str]:
     """Markdown rows: every point of every curve beside the ideal and its two efficiencies."""
     lines = [
         "| curve | N | throughput, best (min to max) | ideal (N x at 1) | efficiency vs ideal | "
-        "efficiency vs cores |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "efficiency vs cores | CPU cost at 1 / at N |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in curves:
         base = c["throughput"][0]
@@ -37,7 +37,8 @@ def curve_table(curves: list[dict[str, Any]]) -> list[str]:
             measured = f"{_f(c['throughput'][i])} ({_f(c['min'][i])} to {_f(c['max'][i])}) {c['unit']}"
             lines.append(
                 f"| {c['what']} over {c['axis']} | {n} | {measured} | {_f(n * base)} | "
-                f"{_f(c['efficiency'][i])} | {_f(c['efficiency_cores'][i])} (min({n}, {c['cores']}) cores) |"
+                f"{_f(c['efficiency'][i])} | {_f(c['efficiency_cores'][i])} (min({n}, {c['cores']}) cores) | "
+                f"{_f(c.get('efficiency_cpu', [float('nan')] * len(c['x']))[i])} |"
             )
     return lines
 
@@ -72,6 +73,8 @@ def plot_curve_figure(curve: dict[str, Any], title: str) -> Any:
     left.legend(fontsize=7)
     right.plot(xs, curve["efficiency"], marker="o", label="efficiency vs ideal")
     right.plot(xs, curve["efficiency_cores"], marker="s", label=f"efficiency vs the {cores} cores")
+    if curve.get("efficiency_cpu"):
+        right.plot(xs, curve["efficiency_cpu"], marker="^", label="CPU cost per unit at 1 / at N")
     right.axhline(1.0, color="black", linewidth=0.8, label="ideal (= 1)")
     right.set_xticks(xs)
     right.set_xlabel(curve["axis"])
