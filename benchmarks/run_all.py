@@ -27,6 +27,10 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scaling"))  # the scaling curves' table and plots
+
+from scaling_plots import curve_plot_name, curve_table, plot_curves
+
 ROOT = Path(__file__).resolve().parents[1]
 # Scratch space for the scripts' own JSON while a run is going; the merged results are kept in STORED.
 RESULTS = ROOT / "bench-results"
@@ -43,13 +47,23 @@ PLOTS = ROOT / "docs" / "assets" / "bench"
 PER_SCRIPT_TIMEOUT_S = 900
 
 
+# Entries of the report that are no package: their benchmark lives in benchmarks/<entry>/.
+ENTRIES = ("scaling",)
+
+
 def _packages() -> list[str]:
-    return sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "benchmarks").is_dir())
+    packages = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "benchmarks").is_dir())
+    return packages + [e for e in ENTRIES if (ROOT / "benchmarks" / e).is_dir()]
+
+
+def _bench_dir(package: str) -> Path:
+    """Where an entry's ``run*.py`` scripts are: ``benchmarks/<entry>/`` or ``packages/<pkg>/benchmarks/``."""
+    return ROOT / "benchmarks" / package if package in ENTRIES else ROOT / "packages" / package / "benchmarks"
 
 
 def run_package(package: str, quick: bool) -> dict[str, Any]:
     """Run every benchmark script of one package and merge their JSON outputs."""
-    scripts = sorted((ROOT / "packages" / package / "benchmarks").glob("run*.py"))
+    scripts = sorted(_bench_dir(package).glob("run*.py"))
     merged: dict[str, Any] = {
         "package": package,
         "run_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -57,6 +71,7 @@ def run_package(package: str, quick: bool) -> dict[str, Any]:
         "rows": [],
         "targets": [],
         "notes": [],
+        "curves": [],
         "errors": [],
     }
     for script in scripts:
@@ -77,7 +92,7 @@ def run_package(package: str, quick: bool) -> dict[str, Any]:
             continue
         data = json.loads(out.read_text())
         merged.setdefault("environment", data.get("environment"))
-        for key in ("rows", "targets", "notes"):
+        for key in ("rows", "targets", "notes", "curves"):
             merged[key].extend(data.get(key, []))
         out.unlink()
     STORED.mkdir(parents=True, exist_ok=True)
@@ -257,7 +272,8 @@ def markdown(results: list[dict[str, Any]], plots: bool = True, issue: bool = Tr
     for res in results:
         for t in res["targets"]:
             met = _cell(_verdict(t["met"], t.get("note", "")))
-            bound = f"{t['op']} {_fmt(t['bound'])}{t['unit']}"
+            # a curve has no bound: met means every point was measured (benchmarks/scaling/run.py)
+            bound = "a curve" if t.get("curve") else f"{t['op']} {_fmt(t['bound'])}{t['unit']}"
             lines.append(
                 f"| {res['package']} | {t['name']} | {_fmt(t['measured'])}{t['unit']} | {bound} | {met} |"
             )
@@ -275,6 +291,12 @@ def markdown(results: list[dict[str, Any]], plots: bool = True, issue: bool = Tr
                 lines.append(f"| {r['case']} | {r['impl']} | {_fmt(r['value'])} {r['unit']} | {ratio} |")
         if plots and res["package"] and PLOTS.joinpath(f"{res['package']}.png").exists():
             lines += ["", f"![{res['package']} ratios](assets/bench/{res['package']}.png)"]
+        if res.get("curves"):
+            lines += ["", *curve_table(res["curves"])]
+            if plots:
+                for c in res["curves"]:
+                    if PLOTS.joinpath(curve_plot_name(c)).exists():
+                        lines += ["", f"![{c['name']}](assets/bench/{curve_plot_name(c)})"]
         if res["notes"]:
             lines += ["", *[f"- {n}" for n in res["notes"]]]  # a list of its own, not part of the line above
     return "\n".join(lines) + "\n"
@@ -386,7 +408,10 @@ def plot_figure(result: dict[str, Any]) -> Any:
 
 
 def plot(result: dict[str, Any]) -> None:
-    """Write the package's chart to ``docs/assets/bench/<package>.png``."""
+    """Write the package's chart to ``docs/assets/bench/<package>.png`` (a curve: one chart per curve)."""
+    if result.get("curves"):
+        plot_curves(result, plot_title(result).replace(" against its peers", ""), PLOTS)
+        return
     fig = plot_figure(result)
     if fig is None:
         return

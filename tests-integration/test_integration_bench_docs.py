@@ -7,6 +7,7 @@ so a guide and the report cannot disagree; a guide's Performance section types n
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -160,3 +161,134 @@ def test_bench_issue_targets_each_stand_beside_a_verdict() -> None:
     unmeasured = next(t for t in run_all.ISSUE_TARGETS if t.package == "pc-pool")
     assert "| not measured |" in by_text[unmeasured.text]
     assert by_text[unmeasured.text].endswith("no benchmark measures it yet |")
+
+
+def _scaling_run() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "bench_scaling_run", ROOT / "benchmarks" / "scaling" / "run.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _job(gs: list[float], dp: list[float], gs_cpu: list[float]) -> dict[str, Any]:
+    # 2 s of pushes over 2 repetitions; rank 0 used 1.5 CPU seconds
+    return {"gs": gs, "dp": dp, "gs_cpu": gs_cpu, "push_s": [1.0, 1.0], "push_cpu_s": [1.0, 0.5]}
+
+
+def test_bench_scaling_job_splits_into_points_with_their_throughputs() -> None:
+    result = {
+        "pushes_per_client": 10,
+        "batch": 64,
+        "dp_steps": 5,
+        "samples": {
+            "1": [{"push_s": 0.5, "push_returned_s": 0.25, "dp_s": 1.0, "push_cpu_s": 0.4}],
+            "2": [
+                {"push_s": 1.0, "push_returned_s": 0.5, "dp_s": 2.0, "push_cpu_s": 0.6, "all_push_cpu_s": 1.0}
+            ],
+        },
+        "counters": {"1": {"applied": 11.0, "dropped": 0.0}, "2": {"applied": 20.0, "dropped": 2.0}},
+    }
+    points = _scaling_run().split(result, 3.5)
+    assert sorted(points) == [1, 2]
+    assert points[1]["gs"] == [20.0]  # 1 client x 10 pushes in 0.5 s, applied
+    assert points[2]["gs"] == [20.0]  # 2 clients x 10 pushes in 1 s
+    assert points[2]["gs_returned"] == [40.0]
+    assert points[2]["dp"] == [2 * 64 * 5 / 2.0]  # samples of every process together
+    assert (points[2]["dropped"], points[2]["load"]) == (2.0, 3.5)
+    assert points[2]["gs_cpu"] == [1.0 / 20]  # CPU seconds of both ranks per push
+
+
+def test_bench_scaling_curve_reports_efficiency_beside_the_ideal_and_the_cores() -> None:
+    run = _scaling_run()
+    samples = {
+        ("processes", 1): [_job([90.0, 100.0, 110.0], [10.0], [0.02, 0.01, 0.03])],
+        ("processes", 2): [_job([150.0], [20.0], [0.02])],
+        ("processes", 4): [_job([200.0], [20.0], [0.04, 0.05])],
+    }
+    c = run.curve("gs", "processes", (1, 2, 4), samples, 2, "")
+    assert c["name"] in {t.measured_as for t in _run_all().ISSUE_TARGETS if t.package == "scaling"}
+    assert c["complete"]
+    assert c["throughput"] == [110.0, 150.0, 200.0]  # the best of the repetitions
+    assert (c["min"][0], c["max"][0]) == (90.0, 110.0)
+    assert c["efficiency"] == [1.0, 150 / 220, 200 / 440]  # throughput / (N x throughput at 1)
+    assert c["efficiency_cores"] == [1.0, 150 / 220, 200 / 220]  # ... / (min(N, 2 cores) x throughput at 1)
+    assert c["efficiency_cpu"] == [1.0, 0.5, 0.25]  # CPU seconds per push at 1 / at N, the cheapest
+    assert c["cpu_per_wall"][2] == 0.75  # rank 0's (the primary's) CPU seconds per wall second of the pushes
+    del samples[("processes", 4)]  # a failed point: the curve is not complete, so its target is not met
+    assert not run.curve("gs", "processes", (1, 2, 4), samples, 2, "")["complete"]
+    assert run.curve("gs", "hosts", (1, 2, 3), {}, 2, "no root")["why_not"] == "no root"
+
+
+SCALING = {
+    "package": "scaling",
+    "run_at": "today",
+    "rows": [],
+    "notes": [],
+    "errors": [],
+    "targets": [
+        {"name": "DataParallel (samples/s) scaling over hosts (1, 2, 3)", "measured": 0.5, "op": ">=",
+         "bound": 0.0, "unit": "", "met": True, "note": "", "curve": True},
+    ],
+    "curves": [
+        {"name": "DataParallel (samples/s) scaling over hosts (1, 2, 3)", "what": "DataParallel (samples/s)",
+         "axis": "hosts", "unit": "samples/s", "x": [1, 2, 3], "throughput": [10.0, 12.0, 15.0],
+         "min": [9.0, 11.0, 14.0], "max": [11.0, 13.0, 16.0], "efficiency": [1.0, 0.6, 0.5],
+         "efficiency_cores": [1.0, 0.6, 0.75], "cores": 2, "complete": True, "why_not": ""},
+    ],
+}  # fmt: skip
+
+
+def test_bench_scaling_entry_is_reported_as_curves_with_a_plot_each(tmp_path: Path) -> None:
+    run_all = _run_all()
+    assert "scaling" in run_all._packages()
+    assert (run_all._bench_dir("scaling") / "run.py").exists()
+    rows = run_all.issue_rows([SCALING])
+    by_text = {row.split(" | ")[1]: row for row in rows}
+    hosts = next(t for t in run_all.ISSUE_TARGETS if t.measured_as == SCALING["targets"][0]["name"])
+    assert "| 0.5 (run today) | a curve | yes |" in by_text[hosts.text]
+    others = [t for t in run_all.ISSUE_TARGETS if t.package == "scaling" and t is not hosts]
+    assert len(others) == 3
+    assert all("| not measured |" in by_text[t.text] for t in others)
+    report = run_all.markdown([SCALING], plots=False)
+    assert (
+        "| scaling | DataParallel (samples/s) scaling over hosts (1, 2, 3) | 0.5 | a curve | yes |" in report
+    )
+    # every point beside the ideal (N x the throughput at 1) and both efficiencies
+    assert "| DataParallel (samples/s) over hosts | 3 | 15 (14 to 16) samples/s | 30 | 0.5 | 0.75 " in report
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    (png,) = run_all.plot_curves(SCALING, "today", tmp_path)
+    assert png.name == "scaling-dataparallel-hosts.png"
+    import scaling_plots  # on sys.path once run_all.py is loaded
+
+    fig = scaling_plots.plot_curve_figure(SCALING["curves"][0], "today")
+    try:
+        left, right = fig.axes
+        labels = [t.get_text() for t in left.get_legend().get_texts()]
+        assert sorted(labels) == [
+            "ideal on 2 cores: min(N, 2) x at 1",
+            "ideal: N x throughput at 1",
+            "measured (best of the repetitions, min to max)",
+        ]
+        assert "ideal (= 1)" in [t.get_text() for t in right.get_legend().get_texts()]
+    finally:
+        plt.close(fig)
+
+
+def test_bench_committed_scaling_results_hold_every_curve_and_its_plot() -> None:
+    stored = ROOT / "docs" / "assets" / "bench" / "cpu" / "scaling.json"
+    if not stored.exists():
+        pytest.skip("no scaling run committed yet")
+    run_all = _run_all()
+    result = json.loads(stored.read_text())
+    names = [c["name"] for c in result["curves"]]
+    assert names == [t.measured_as for t in run_all.ISSUE_TARGETS if t.package == "scaling"]
+    for c in result["curves"]:
+        assert c["x"] == ([1, 2, 4] if c["axis"] == "processes" else [1, 2, 3])
+        assert (ROOT / "docs" / "assets" / "bench" / run_all.curve_plot_name(c)).exists()
+    assert sorted(t["name"] for t in result["targets"]) == sorted(names)
