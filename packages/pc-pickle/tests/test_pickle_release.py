@@ -35,19 +35,29 @@ def test_release_frees_the_file_system_segments_of_payloads_never_loaded() -> No
         parent.close()
 
 
-def _fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_fds() -> dict[int, str]:
+    """This process's open fds and what each refers to (other threads may open and close fds meanwhile)."""
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed since the listing (or the listing's own fd)
+            continue
+    return fds
 
 
 def test_release_gives_back_the_dup_fd_of_a_file_descriptor_payload() -> None:
     t = torch.ones(4).share_memory_()
     pc_pickle.loads(pc_pickle.dumps(t, copy_tensor=False))  # warm up multiprocessing's resource_sharer
-    before = _fd_count()
+    before = _open_fds()
     payloads = [pc_pickle.dumps(t, copy_tensor=False) for _ in range(5)]
-    assert _fd_count() == before + 5  # one dup'd fd per unloaded payload, held for the consumer
+    held = {fd: target for fd, target in _open_fds().items() if before.get(fd) != target}
+    # one dup'd fd per unloaded payload, held for the consumer, each on the tensor's shared memory
+    assert len(held) == 5 and len(set(held.values())) == 1, held
     for data in payloads:
         pc_pickle.release(data)
-    assert _fd_count() == before
+    now = _open_fds()
+    assert [fd for fd, target in held.items() if now.get(fd) == target] == []
 
 
 def test_release_consumes_the_payload_like_a_load() -> None:
