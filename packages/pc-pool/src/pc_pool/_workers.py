@@ -13,6 +13,7 @@ import contextlib
 import logging
 import multiprocessing.context
 import os
+import select
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
@@ -26,6 +27,14 @@ from pc_pool._state import EngineState
 from pc_pool.worker import worker_main
 
 __all__ = ["WorkerSet"]
+
+
+def _readable_now(conn: Any) -> bool:
+    """Whether ``conn`` has data (or EOF) right now: one ``poll`` system call, no selector."""
+    p = select.poll()
+    p.register(conn.fileno(), select.POLLIN)
+    return bool(p.poll(0))
+
 
 _log = logging.getLogger("pc_pool.pool")
 _MAX_BURST = 256  # messages read from one worker per wake-up, so a chatty worker cannot starve the others
@@ -68,6 +77,9 @@ class WorkerSet:
         self._copy_tensor = copy_tensor
         self._recurse = recurse
         self._daemon = daemon
+        self._poller = select.poll()
+        self._by_fd: dict[int, tuple[WorkerHandle, bool]] = {}
+        self._poll_key: tuple[Any, ...] | None = None
 
     # -- starting --------------------------------------------------------------------------------------------
     def start(self, index: int, context_of: Callable[[int], Any]) -> WorkerHandle:
@@ -148,31 +160,50 @@ class WorkerSet:
         st = self._state
         if st.stopping:
             raise OSError("pool is shutting down")
-        handles = [w for w in st.workers if w is not None and not w.dead]
-        by_conn = {w.result_conn: w for w in handles}
-        by_sentinel = {w.process.sentinel: w for w in handles}
-        wake_fd = st.wakeup.fileno
-        ready = wait([*by_conn, *by_sentinel, wake_fd], timeout)
+        poller = self._poller_for([w for w in st.workers if w is not None and not w.dead], st.wakeup.fileno)
+        ready = poller.poll(max(0, int(timeout * 1000)))
         if not ready:
             raise TimeoutError(f"no worker event within {timeout} s")
-        if wake_fd in ready:
-            st.wakeup.drain()
         events: list[tuple[int, Any]] = []
         dead: list[WorkerHandle] = []
-        for obj in ready:
-            if obj in by_conn:
-                w = by_conn[obj]
-                try:
-                    for _ in range(_MAX_BURST):
-                        events.append((w.index, recv_msg(w.result_conn)))
-                        if not w.result_conn.poll(0):
-                            break
-                except (EOFError, OSError):
-                    dead.append(w)
-            elif obj in by_sentinel:
-                dead.append(by_sentinel[obj])
+        for fd, _ in ready:
+            what = self._by_fd.get(fd)
+            if what is None:  # the wakeup pipe
+                st.wakeup.drain()
+                continue
+            w, is_conn = what
+            if not is_conn:
+                dead.append(w)
+                continue
+            try:
+                for _ in range(_MAX_BURST):
+                    events.append((w.index, recv_msg(w.result_conn)))
+                    if not _readable_now(w.result_conn):
+                        break
+            except (EOFError, OSError):
+                dead.append(w)
         events.extend((w.index, None) for w in dict.fromkeys(dead))
         return events
+
+    def _poller_for(self, handles: list[WorkerHandle], wake_fd: int) -> select.poll:
+        """The ``poll`` object over the result pipes, the sentinels and ``wake_fd``; rebuilt when they change.
+
+        ``multiprocessing.connection.wait`` builds a selector per call (~10 us); reusing one ``poll`` object
+        makes a wake-up one system call. The handles are kept, so their ids cannot be reused meanwhile.
+        """
+        key = (wake_fd, *handles)
+        old = self._poll_key
+        if old is not None and len(key) == len(old) and all(a is b for a, b in zip(key, old, strict=True)):
+            return self._poller
+        poller = select.poll()
+        by_fd: dict[int, tuple[WorkerHandle, bool]] = {}
+        for w in handles:
+            by_fd[w.result_conn.fileno()] = (w, True)
+            by_fd[w.process.sentinel] = (w, False)
+        for fd in (*by_fd, wake_fd):
+            poller.register(fd, select.POLLIN)
+        self._poller, self._by_fd, self._poll_key = poller, by_fd, key
+        return poller
 
     # -- stopping --------------------------------------------------------------------------------------------
     def close(self, w: WorkerHandle) -> None:
