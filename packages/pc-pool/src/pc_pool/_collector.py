@@ -19,7 +19,16 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from pc_pool import _serial
-from pc_pool._engine import CLOSE_GRACE, FAST_RTT, TICK, PoolStates, block_sigint_in_this_thread, now
+from pc_pool._engine import (
+    CLOSE_GRACE,
+    FAST_RTT,
+    MAX_WINDOW,
+    TICK,
+    WINDOW,
+    PoolStates,
+    block_sigint_in_this_thread,
+    now,
+)
 from pc_pool._fdpass import installed_fds
 from pc_pool._protocol import (
     K_ENC,
@@ -205,6 +214,9 @@ class ResultThread:
         ``fds`` came with the message (share mode, see :mod:`pc_pool._fdpass`): the payload's loads take
         them; whatever is left is closed here.
         """
+        if not fds:
+            self._handle_reply(w, header, blob)
+            return
         with installed_fds(list(fds)):
             self._handle_reply(w, header, blob)
 
@@ -231,8 +243,9 @@ class ResultThread:
                 w.outstanding.popleft()
                 chunk.sent_payloads = ()  # the worker read them
                 w.answered += 1
-                w.fast = now() - chunk.sent_at < FAST_RTT
-                st.cond.notify_all()
+                _update_window(w, chunk)
+                if len(w.outstanding) <= w.refill:
+                    st.cond.notify_all()  # the feeder refills at this level (see Feeder._next_action)
         if chunk is None or not matches:
             expected = "nothing" if chunk is None else f"job {chunk.job.id} chunk {chunk.index}"
             cause = RuntimeError(
@@ -311,6 +324,20 @@ class ResultThread:
         hooks.repopulate_pool()
         if died is not None:
             st.deliver(died, False, WorkerDiedError(pid, exitcode))
+
+
+def _update_window(w: WorkerHandle, chunk: Chunk) -> None:
+    """After ``chunk`` was answered: update ``w``'s service time and its window (caller holds ``cond``).
+
+    The chunk's service time runs from when the worker could start it (sent, or the previous answer, whichever
+    is later) to now; the window holds about ``FAST_RTT`` seconds of such chunks (2 to ``MAX_WINDOW``).
+    """
+    t = now()
+    took = t - max(chunk.sent_at, w.last_reply_at)
+    w.last_reply_at = t
+    w.service = took if w.service is None else 0.75 * w.service + 0.25 * took
+    w.window = max(WINDOW, min(MAX_WINDOW, int(FAST_RTT / max(w.service, 1e-6))))
+    w.refill = w.window // 2
 
 
 def _release_all(payload_groups: Iterable[tuple[bytes | None, ...]]) -> None:

@@ -54,8 +54,12 @@ class WorkerHandle:
     sent_jobs: set[int] = field(default_factory=set)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     ready: bool = False
-    fast: bool = False  # the last chunk came back within FAST_RTT: a deeper window is allowed
+    window: int = 2  # chunks it may have outstanding (deeper while it answers fast, see _engine.FAST_RTT)
+    refill: int = 1  # its feeder sends again once this many or fewer are outstanding
+    service: float | None = None  # moving average of its seconds per chunk
+    last_reply_at: float = 0.0
     answered: int = 0
+    direct: bool = False  # a caller thread is sending a chunk to this idle worker itself (feeder keeps off)
     retiring: bool = False
     exit_sent: bool = False
     dead: bool = False

@@ -133,8 +133,13 @@ class BasePool(PoolFrontend):
             recurse=self._recurse,
             daemon=self._daemon,
         )
+        default_send = type(self).pool_inqueue_put is BasePool.pool_inqueue_put
         self._feeder = Feeder(
-            self._engine, self.pool_inqueue_put, copy_tensor=self._copy_tensor, recurse=self._recurse
+            self._engine,
+            self.pool_inqueue_put,
+            copy_tensor=self._copy_tensor,
+            recurse=self._recurse,
+            send_batch=self._worker_set.send_batch if default_send else None,
         )
         self._collector = ResultThread(self._engine, self._worker_set, self, copy_tensor=self._copy_tensor)
         error = self._collector.start(_START_TIMEOUT)
