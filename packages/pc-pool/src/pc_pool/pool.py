@@ -303,4 +303,22 @@ class BasePool(PoolFrontend):
     # ========================================================================================================
     def _submit(self, func: Callable[..., Any], mode: int, chunks: list[list[Any]], result: Any) -> None:
         result._owner = self
-        self._engine.submit(Job(result._job, func, mode, result), chunks)
+        job = Job(result._job, func, mode, result)
+        if len(chunks) != 1 or self._p2p:
+            self._engine.submit(job, chunks)
+            return
+        # One chunk (apply): if a worker is idle, send it from this thread (no hop through the feeder). Its
+        # task pipe is empty, so the write never waits on other work.
+        claimed = self._engine.submit_direct(job, chunks[0])
+        if claimed is None:
+            return
+        w, chunk = claimed
+        try:
+            with w.send_lock:  # a feeder still finishing its last send to w (already answered) is done
+                pass
+            self._feeder.send_chunks(w, [chunk], self.pool_inqueue_put)
+        except KeyboardInterrupt:
+            self._handle_interrupt()  # a message may be cut short in the pipe: the pool cannot go on
+            raise
+        finally:
+            self._engine.end_direct(w)
