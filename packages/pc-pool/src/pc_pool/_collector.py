@@ -39,7 +39,6 @@ from pc_pool._protocol import (
     K_RETIRE,
     RESULT_ACK,
     MaybeEncodingError,
-    recv_msg,
     unread_bytes,
 )
 from pc_pool._records import Chunk, WorkerHandle
@@ -202,8 +201,8 @@ class ResultThread:
         running = _running_chunk(chunks, unread_bytes(w.task_conn))
         _release_all(c.sent_payloads for c in chunks if c.sent and c is not running)
         with contextlib.suppress(EOFError, OSError):
-            while w.result_conn.poll(0):
-                self._discard(recv_msg(w.result_conn))
+            while w.reader.readable():
+                self._discard(w.reader.recv())
 
     # -- replies ---------------------------------------------------------------------------------------------
     def handle_reply(
@@ -289,7 +288,7 @@ class ResultThread:
         st = self._state
         try:
             while not st.stopping:
-                msg = recv_msg(w.result_conn)
+                msg = w.reader.recv()
                 if msg is not None:
                     self.handle_reply(w, *msg)
         except (EOFError, OSError):

@@ -50,6 +50,7 @@ class WorkerHandle:
     process: BaseProcess
     task_conn: Connection
     result_conn: Connection
+    reader: Any = None  # its ResultReader (every parent-side read of result_conn goes through it)
     outstanding: collections.deque[Chunk] = field(default_factory=collections.deque)
     sent_jobs: set[int] = field(default_factory=set)
     send_lock: threading.Lock = field(default_factory=threading.Lock)

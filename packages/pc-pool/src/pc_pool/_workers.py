@@ -20,20 +20,14 @@ from typing import Any
 
 from pc_pool import _serial
 from pc_pool._engine import KILL_GRACE, NO_CONTEXT, TICK, now
-from pc_pool._protocol import frame_msg, recv_msg, send_msg, write_all
+from pc_pool._protocol import frame_msg, send_msg, write_all
 from pc_pool._quiet import quiet_numpy_warning_in_children
+from pc_pool._reader import ResultReader
 from pc_pool._records import WorkerHandle
 from pc_pool._state import EngineState
 from pc_pool.worker import worker_main
 
 __all__ = ["WorkerSet"]
-
-
-def _readable_now(conn: Any) -> bool:
-    """Whether ``conn`` has data (or EOF) right now: one ``poll`` system call, no selector."""
-    p = select.poll()
-    p.register(conn.fileno(), select.POLLIN)
-    return bool(p.poll(0))
 
 
 _log = logging.getLogger("pc_pool.pool")
@@ -121,7 +115,7 @@ class WorkerSet:
             raise
         task_r.close()
         result_w.close()
-        return WorkerHandle(index, process, task_w, result_r)
+        return WorkerHandle(index, process, task_w, result_r, ResultReader(result_r, bulk=self._copy_tensor))
 
     def repopulate(self, context_of: Callable[[int], Any]) -> None:
         """Start every missing worker index while the pool wants workers (result thread only)."""
@@ -204,13 +198,12 @@ class WorkerSet:
             if not is_conn:
                 dead.append(w)
                 continue
+            msgs: list[Any] = []
             try:
-                for _ in range(_MAX_BURST):
-                    events.append((w.index, recv_msg(w.result_conn)))
-                    if not _readable_now(w.result_conn):
-                        break
+                w.reader.drain(_MAX_BURST, msgs)
             except (EOFError, OSError):
                 dead.append(w)
+            events.extend((w.index, msg) for msg in msgs)
         events.extend((w.index, None) for w in dict.fromkeys(dead))
         return events
 
