@@ -37,7 +37,6 @@ from pc_pool._protocol import (
     K_OK,
     K_READY,
     K_RETIRE,
-    RESULT_ACK,
     MaybeEncodingError,
     unread_bytes,
 )
@@ -69,7 +68,7 @@ class ResultThread:
         state: The pool's engine state.
         workers: The pool's worker set (starts and closes worker handles).
         hooks: The pool, for its overridable hooks (held by the thread while it runs, not by this object).
-        copy_tensor: ``False`` (share mode): acknowledge each loaded result so its worker may go on.
+        copy_tensor: ``False`` (share mode): release the payloads nobody will load when a worker is gone.
     """
 
     def __init__(
@@ -257,23 +256,11 @@ class ResultThread:
             try:
                 values = _serial.loads(blob) if blob is not None else None
             except Exception as exc:
-                self._ack(w, kind)
                 st.deliver(chunk, False, exc)
                 return
-            self._ack(w, kind)
             st.deliver(chunk, True, values)
         elif kind in (K_ERR, K_ENC):
             st.deliver(chunk, False, _load_exception(blob, text))
-
-    def _ack(self, w: WorkerHandle, kind: int) -> None:
-        """Share mode: tell the worker its result is loaded (its fds fetched), so it may run the next chunk.
-
-        Without this, a worker could crash in its next chunk before this thread loaded the result it had
-        sent, and that finished result would fail too (its fds are fetched from the worker).
-        """
-        if kind == K_OK and not self._copy_tensor:
-            with contextlib.suppress(OSError):  # a dead worker: its reaper is draining what it sent
-                w.result_conn.send_bytes(RESULT_ACK)
 
     # -- deaths ----------------------------------------------------------------------------------------------
     def maintain(self, hooks: PoolHooks) -> None:

@@ -6,9 +6,9 @@ larger ones follow as a second message, so a 100 MB tensor is never copied into 
 
 Parent -> worker: ``(job, chunk, mode, func_blob | None, drops)`` + the arguments payload; ``EXIT`` (empty
 bytes) asks the worker to leave. Worker -> parent: ``(kind, job, chunk, text)`` + a payload, where kind is one
-of the ``K_*`` constants. In share mode the parent answers each ``K_OK`` reply on the (duplex) result pipe
-with ``RESULT_ACK`` once it has loaded the result: the worker waits for it before its next chunk. Share mode
-with the ``file_descriptor`` strategy: the result's fds follow its message as ``SCM_RIGHTS`` data (see
+of the ``K_*`` constants. ``RESULT_ACK`` is kept for custom workers built on the older handshake (the parent
+acknowledged each loaded share-mode result); the pool no longer sends it. Share mode with the
+``file_descriptor`` strategy: the result's fds follow its message as ``SCM_RIGHTS`` data (see
 :mod:`pc_pool._fdpass`), counted in the envelope ``(header, blob, follows, nfds)``.
 """
 

@@ -83,7 +83,7 @@ class WorkerSet:
         stored: the pool's bound method would make a reference cycle).
         """
         task_r, task_w = self._ctx.Pipe(duplex=False)
-        # Share mode: duplex, so the parent can acknowledge each result it loaded (see worker.ResultPutter).
+        # Share mode: a Unix socket pair (duplex), so a result's fds can travel with it (SCM_RIGHTS).
         result_r, result_w = self._ctx.Pipe(duplex=not self._copy_tensor)
         try:
             context = context_of(index)

@@ -240,15 +240,17 @@ class TaskGetter:
 class ResultPutter:
     """``put(reply)`` of the worker loop: send one reply to the parent.
 
-    Share mode (``wait_ack``): after each result this waits for the parent's ``RESULT_ACK`` (sent once it has
-    loaded it) before the next chunk can run, so at most one unloaded result per worker is in flight. (Its fds
-    travel with it, see :mod:`pc_pool._fdpass`, so even a kill in that window loses nothing.) Wake-ups: the
-    ack, or the parent's death (exit).
+    Share mode (``share``): a reply that could not be sent (SIGTERM from ``terminate()``) gives its share
+    handles back. The worker does not wait for the parent to load a result: its fds travel with it (see
+    :mod:`pc_pool._fdpass`), so a result survives the worker's death after it was sent, under both sharing
+    strategies (tested). ``wait_ack=True`` restores the older handshake (wait for ``RESULT_ACK`` after each
+    result) for a custom ``worker`` whose parent sends one; the pool's result thread does not.
     """
 
-    def __init__(self, conn: Connection, wait_ack: bool = False) -> None:
+    def __init__(self, conn: Connection, wait_ack: bool = False, *, share: bool = False) -> None:
         self._conn = conn
         self._wait_ack = wait_ack
+        self._share = share or wait_ack
         parent = multiprocessing.parent_process()
         sentinel = parent.sentinel if parent is not None else None
         self._readable = _Readable(conn, sentinel) if wait_ack else None
@@ -265,7 +267,7 @@ class ResultPutter:
             os._exit(1)  # the parent is gone
         finally:
             close_fds(fds)  # in flight (or lost with the parent): the kernel holds what was sent
-            if not sent and self._wait_ack:  # SIGTERM (terminate) before it left: give its handles back
+            if not sent and self._share:  # SIGTERM (terminate) before it left: give its handles back
                 _serial.release(blob)
         if self._wait_ack and header[0] == K_OK:
             self._await_ack()
@@ -380,7 +382,7 @@ def worker_main(
     if os.getppid() != parent_pid:  # the parent died before PR_SET_PDEATHSIG took effect
         os._exit(1)
     faulthandler.enable()
-    put = ResultPutter(result_conn, wait_ack=not copy_tensor)
+    put = ResultPutter(result_conn, share=not copy_tensor)
     try:
         initializer, initargs, has_ctx, ctx = _serial.loads(init_blob)
     except SystemExit:
