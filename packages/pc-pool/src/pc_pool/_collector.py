@@ -3,11 +3,12 @@
 :class:`ResultThread` holds explicit references to the :class:`~pc_pool._state.EngineState`, the
 :class:`~pc_pool._workers.WorkerSet` and the pool's hooks (``pool_outqueue_get``, ``repopulate_pool``,
 ``maintain_pool``, ``terminate_workers``, ``join_workers``, so a subclass that overrides one is obeyed). It
-blocks in ``multiprocessing.connection.wait`` on the result pipes, the worker sentinels and the wakeup pipe.
-When a sentinel fires it drains that worker's pipe, fails the first unanswered chunk (the one that was
-running) with :class:`~pc_pool.WorkerDiedError`, puts the rest back and starts a replacement at the same
-index. It also starts the initial workers, so ``PR_SET_PDEATHSIG`` (which follows the forking *thread*) fires
-only when the pool itself is gone. A reply that matches no chunk the worker holds breaks the pool.
+blocks in ``poll`` (one reused object, see ``WorkerSet.wait_events``) on the result pipes, the worker
+sentinels and the wakeup pipe. When a sentinel fires it drains that worker's pipe, fails the first unanswered
+chunk (the one that was running) with :class:`~pc_pool.WorkerDiedError`, puts the rest back and starts a
+replacement at the same index. It also starts the initial workers, so ``PR_SET_PDEATHSIG`` (which follows the
+forking *thread*) fires only when the pool itself is gone. A reply that matches no chunk the worker holds
+breaks the pool.
 """
 
 from __future__ import annotations

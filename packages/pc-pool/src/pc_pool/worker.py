@@ -240,10 +240,9 @@ class TaskGetter:
 class ResultPutter:
     """``put(reply)`` of the worker loop: send one reply to the parent.
 
-    Share mode (``share``): a reply that could not be sent (SIGTERM from ``terminate()``) gives its share
-    handles back. The worker does not wait for the parent to load a result: its fds travel with it (see
-    :mod:`pc_pool._fdpass`), so a result survives the worker's death after it was sent, under both sharing
-    strategies (tested). ``wait_ack=True`` restores the older handshake (wait for ``RESULT_ACK`` after each
+    Share mode (``share``): a reply that could not be sent (SIGTERM) gives its share handles back. No wait
+    for the parent to load a result: its fds travel with it (:mod:`pc_pool._fdpass`), so it survives the
+    worker's death once sent. ``wait_ack=True`` keeps the older handshake (wait for ``RESULT_ACK`` after each
     result) for a custom ``worker`` whose parent sends one; the pool's result thread does not.
     """
 
