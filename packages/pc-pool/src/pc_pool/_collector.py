@@ -3,11 +3,12 @@
 :class:`ResultThread` holds explicit references to the :class:`~pc_pool._state.EngineState`, the
 :class:`~pc_pool._workers.WorkerSet` and the pool's hooks (``pool_outqueue_get``, ``repopulate_pool``,
 ``maintain_pool``, ``terminate_workers``, ``join_workers``, so a subclass that overrides one is obeyed). It
-blocks in ``multiprocessing.connection.wait`` on the result pipes, the worker sentinels and the wakeup pipe.
-When a sentinel fires it drains that worker's pipe, fails the first unanswered chunk (the one that was
-running) with :class:`~pc_pool.WorkerDiedError`, puts the rest back and starts a replacement at the same
-index. It also starts the initial workers, so ``PR_SET_PDEATHSIG`` (which follows the forking *thread*) fires
-only when the pool itself is gone. A reply that matches no chunk the worker holds breaks the pool.
+blocks in ``poll`` (one reused object, see ``WorkerSet.wait_events``) on the result pipes, the worker
+sentinels and the wakeup pipe. When a sentinel fires it drains that worker's pipe, fails the first unanswered
+chunk (the one that was running) with :class:`~pc_pool.WorkerDiedError`, puts the rest back and starts a
+replacement at the same index. It also starts the initial workers, so ``PR_SET_PDEATHSIG`` (which follows the
+forking *thread*) fires only when the pool itself is gone. A reply that matches no chunk the worker holds
+breaks the pool.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from pc_pool import _serial
-from pc_pool._engine import CLOSE_GRACE, FAST_RTT, TICK, PoolStates, block_sigint_in_this_thread, now
+from pc_pool._engine import (
+    CLOSE_GRACE,
+    FAST_RTT,
+    MAX_WINDOW,
+    TICK,
+    WINDOW,
+    PoolStates,
+    block_sigint_in_this_thread,
+    now,
+)
 from pc_pool._fdpass import installed_fds
 from pc_pool._protocol import (
     K_ENC,
@@ -28,9 +38,7 @@ from pc_pool._protocol import (
     K_OK,
     K_READY,
     K_RETIRE,
-    RESULT_ACK,
     MaybeEncodingError,
-    recv_msg,
     unread_bytes,
 )
 from pc_pool._records import Chunk, WorkerHandle
@@ -61,7 +69,7 @@ class ResultThread:
         state: The pool's engine state.
         workers: The pool's worker set (starts and closes worker handles).
         hooks: The pool, for its overridable hooks (held by the thread while it runs, not by this object).
-        copy_tensor: ``False`` (share mode): acknowledge each loaded result so its worker may go on.
+        copy_tensor: ``False`` (share mode): release the payloads nobody will load when a worker is gone.
     """
 
     def __init__(
@@ -193,8 +201,8 @@ class ResultThread:
         running = _running_chunk(chunks, unread_bytes(w.task_conn))
         _release_all(c.sent_payloads for c in chunks if c.sent and c is not running)
         with contextlib.suppress(EOFError, OSError):
-            while w.result_conn.poll(0):
-                self._discard(recv_msg(w.result_conn))
+            while w.reader.readable():
+                self._discard(w.reader.recv())
 
     # -- replies ---------------------------------------------------------------------------------------------
     def handle_reply(
@@ -205,6 +213,9 @@ class ResultThread:
         ``fds`` came with the message (share mode, see :mod:`pc_pool._fdpass`): the payload's loads take
         them; whatever is left is closed here.
         """
+        if not fds:
+            self._handle_reply(w, header, blob)
+            return
         with installed_fds(list(fds)):
             self._handle_reply(w, header, blob)
 
@@ -231,8 +242,9 @@ class ResultThread:
                 w.outstanding.popleft()
                 chunk.sent_payloads = ()  # the worker read them
                 w.answered += 1
-                w.fast = now() - chunk.sent_at < FAST_RTT
-                st.cond.notify_all()
+                _update_window(w, chunk)
+                if len(w.outstanding) <= w.refill:
+                    st.cond.notify_all()  # the feeder refills at this level (see Feeder._next_action)
         if chunk is None or not matches:
             expected = "nothing" if chunk is None else f"job {chunk.job.id} chunk {chunk.index}"
             cause = RuntimeError(
@@ -245,23 +257,11 @@ class ResultThread:
             try:
                 values = _serial.loads(blob) if blob is not None else None
             except Exception as exc:
-                self._ack(w, kind)
                 st.deliver(chunk, False, exc)
                 return
-            self._ack(w, kind)
             st.deliver(chunk, True, values)
         elif kind in (K_ERR, K_ENC):
             st.deliver(chunk, False, _load_exception(blob, text))
-
-    def _ack(self, w: WorkerHandle, kind: int) -> None:
-        """Share mode: tell the worker its result is loaded (its fds fetched), so it may run the next chunk.
-
-        Without this, a worker could crash in its next chunk before this thread loaded the result it had
-        sent, and that finished result would fail too (its fds are fetched from the worker).
-        """
-        if kind == K_OK and not self._copy_tensor:
-            with contextlib.suppress(OSError):  # a dead worker: its reaper is draining what it sent
-                w.result_conn.send_bytes(RESULT_ACK)
 
     # -- deaths ----------------------------------------------------------------------------------------------
     def maintain(self, hooks: PoolHooks) -> None:
@@ -276,7 +276,7 @@ class ResultThread:
         st = self._state
         try:
             while not st.stopping:
-                msg = recv_msg(w.result_conn)
+                msg = w.reader.recv()
                 if msg is not None:
                     self.handle_reply(w, *msg)
         except (EOFError, OSError):
@@ -311,6 +311,20 @@ class ResultThread:
         hooks.repopulate_pool()
         if died is not None:
             st.deliver(died, False, WorkerDiedError(pid, exitcode))
+
+
+def _update_window(w: WorkerHandle, chunk: Chunk) -> None:
+    """After ``chunk`` was answered: update ``w``'s service time and its window (caller holds ``cond``).
+
+    The chunk's service time runs from when the worker could start it (sent, or the previous answer, whichever
+    is later) to now; the window holds about ``FAST_RTT`` seconds of such chunks (2 to ``MAX_WINDOW``).
+    """
+    t = now()
+    took = t - max(chunk.sent_at, w.last_reply_at)
+    w.last_reply_at = t
+    w.service = took if w.service is None else 0.75 * w.service + 0.25 * took
+    w.window = max(WINDOW, min(MAX_WINDOW, int(FAST_RTT / max(w.service, 1e-6))))
+    w.refill = w.window // 2
 
 
 def _release_all(payload_groups: Iterable[tuple[bytes | None, ...]]) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 __all__ = [
     "CLOSE_GRACE",
     "FAST_RTT",
-    "FAST_WINDOW",
     "KILL_GRACE",
+    "MAX_WINDOW",
     "NO_CONTEXT",
     "TICK",
     "WINDOW",
@@ -36,10 +36,12 @@ __all__ = [
 
 _log = logging.getLogger("pc_pool.pool")
 WINDOW = 2  # chunks outstanding per worker: one running, one waiting in the pipe
-# While a worker answers within FAST_RTT seconds, its feeder may keep FAST_WINDOW chunks outstanding: tiny
-# tasks then never wait for the parent's round trip, and a slow task can hold back at most a few fast ones.
-FAST_WINDOW = 4
+# A worker that answers fast gets a deeper window: as many chunks as it runs in about FAST_RTT seconds (by the
+# moving average of its service time), up to MAX_WINDOW. Tiny tasks then never wait for the parent's round
+# trip (or for a scheduler delay on a loaded machine), and a slow task holds back at most ~FAST_RTT of fast
+# ones. The feeder refills once half the window is left, so it wakes and writes once per half window.
 FAST_RTT = 0.002
+MAX_WINDOW = 32
 KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL in terminate()
 CLOSE_GRACE = 5.0  # seconds a worker gets to exit after a drained close() before it is killed
 TICK = 5.0  # upper bound of any internal wait; predicates are re-checked, nothing relies on it

@@ -6,9 +6,9 @@ larger ones follow as a second message, so a 100 MB tensor is never copied into 
 
 Parent -> worker: ``(job, chunk, mode, func_blob | None, drops)`` + the arguments payload; ``EXIT`` (empty
 bytes) asks the worker to leave. Worker -> parent: ``(kind, job, chunk, text)`` + a payload, where kind is one
-of the ``K_*`` constants. In share mode the parent answers each ``K_OK`` reply on the (duplex) result pipe
-with ``RESULT_ACK`` once it has loaded the result: the worker waits for it before its next chunk. Share mode
-with the ``file_descriptor`` strategy: the result's fds follow its message as ``SCM_RIGHTS`` data (see
+of the ``K_*`` constants. ``RESULT_ACK`` is kept for custom workers built on the older handshake (the parent
+acknowledged each loaded share-mode result); the pool no longer sends it. Share mode with the
+``file_descriptor`` strategy: the result's fds follow its message as ``SCM_RIGHTS`` data (see
 :mod:`pc_pool._fdpass`), counted in the envelope ``(header, blob, follows, nfds)``.
 """
 
@@ -17,7 +17,9 @@ from __future__ import annotations
 import array
 import fcntl
 import multiprocessing.pool
+import os
 import pickle
+import struct
 import termios
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -38,9 +40,11 @@ __all__ = [
     "MODE_STAR",
     "RESULT_ACK",
     "MaybeEncodingError",
+    "frame_msg",
     "recv_msg",
     "send_msg",
     "unread_bytes",
+    "write_all",
 ]
 
 # The stdlib's error for a result or exception that cannot travel (reprs only, so it always pickles).
@@ -51,6 +55,9 @@ RESULT_ACK = b"\x01"
 MODE_APPLY, MODE_MAP, MODE_STAR = 0, 1, 2
 K_OK, K_ERR, K_ENC, K_READY, K_RETIRE, K_INIT_ERR = range(6)
 _INLINE = 1 << 16
+_LEN4 = struct.Struct("!i")
+_LEN8 = struct.Struct("!Q")
+_IOV_MAX = 512
 
 
 def _framed(n: int) -> int:
@@ -80,6 +87,50 @@ def send_msg(conn: Connection, header: tuple[Any, ...], blob: bytes | None, fds:
     if nfds:
         send_fds(conn, list(fds))
     return sent
+
+
+def frame_msg(header: tuple[Any, ...], blob: bytes | None) -> list[bytes]:
+    """The bytes :func:`send_msg` writes for ``header`` and ``blob`` (no fds), framed as by ``send_bytes``.
+
+    Several messages framed here can be written with one system call (see :func:`write_all`); the reader
+    receives them one by one with :func:`recv_msg`.
+    """
+    if blob is not None and len(blob) > _INLINE:
+        head = pickle.dumps((header, None, True, 0), protocol=5)
+        return [_frame_head(len(head)) + head, _frame_head(len(blob)), blob]
+    head = pickle.dumps((header, blob, False, 0), protocol=5)
+    return [_frame_head(len(head)) + head]
+
+
+def _frame_head(n: int) -> bytes:
+    # Connection.send_bytes' framing: a 4-byte big-endian length, or -1 and an 8-byte length above 2 GiB.
+    return _LEN4.pack(n) if n <= 0x7FFFFFFF else _LEN4.pack(-1) + _LEN8.pack(n)
+
+
+def write_all(fd: int, parts: list[bytes]) -> tuple[int, OSError | None]:
+    """Write ``parts`` to the blocking ``fd`` in as few system calls as the pipe allows.
+
+    Returns:
+        The number of bytes written, and the error that stopped the writing early (``None`` if none did):
+        the caller tells from the count which messages went out whole.
+    """
+    views = [memoryview(p) for p in parts if p]
+    written = 0
+    while views:
+        try:
+            n = os.writev(fd, views[:_IOV_MAX])
+        except OSError as exc:
+            return written, exc
+        written += n
+        while n and views:
+            size = views[0].nbytes
+            if n >= size:
+                n -= size
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    return written, None
 
 
 def unread_bytes(conn: Connection) -> int | None:

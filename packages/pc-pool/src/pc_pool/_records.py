@@ -50,12 +50,17 @@ class WorkerHandle:
     process: BaseProcess
     task_conn: Connection
     result_conn: Connection
+    reader: Any = None  # its ResultReader (every parent-side read of result_conn goes through it)
     outstanding: collections.deque[Chunk] = field(default_factory=collections.deque)
     sent_jobs: set[int] = field(default_factory=set)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     ready: bool = False
-    fast: bool = False  # the last chunk came back within FAST_RTT: a deeper window is allowed
+    window: int = 2  # chunks it may have outstanding (deeper while it answers fast, see _engine.FAST_RTT)
+    refill: int = 1  # its feeder sends again once this many or fewer are outstanding
+    service: float | None = None  # moving average of its seconds per chunk
+    last_reply_at: float = 0.0
     answered: int = 0
+    direct: bool = False  # a caller thread is sending a chunk to this idle worker itself (feeder keeps off)
     retiring: bool = False
     exit_sent: bool = False
     dead: bool = False

@@ -121,6 +121,39 @@ class EngineState:
                     self.ready.append(Chunk(job, index, items))
             self.cond.notify_all()
 
+    def submit_direct(self, job: Job, items: list[Any]) -> tuple[WorkerHandle, Chunk] | None:
+        """Register a one-chunk ``job``; hand its chunk to an idle worker claimed for the caller, if any.
+
+        An idle worker (nothing outstanding, so its task pipe is empty) is marked ``direct`` (its feeder keeps
+        off) and returned with the chunk, already in its ``outstanding``: the caller sends it itself, one
+        thread hop fewer, and must call :meth:`end_direct`. Without an idle worker (or with chunks waiting)
+        the chunk is queued for the feeders as by :meth:`submit` and ``None`` is returned.
+        """
+        with self.cond:
+            self.check_running()
+            self.jobs[job.id] = job
+            chunk = Chunk(job, 0, items)
+            if not self.ready:
+                for w in self.workers:
+                    if (
+                        w is not None
+                        and not w.outstanding
+                        and not (w.dead or w.direct or w.exit_sent or w.retiring)
+                    ):
+                        w.direct = True
+                        w.outstanding.append(chunk)
+                        return w, chunk
+            self.ready.append(chunk)
+            self.cond.notify_all()
+            return None
+
+    def end_direct(self, w: WorkerHandle) -> None:
+        """The caller that claimed ``w`` in :meth:`submit_direct` is done sending: its feeder may go on."""
+        with self.cond:
+            w.direct = False
+            if self.ready or self.slot_ready[w.index] or w.retiring or self.state is not PoolStates.RUN:
+                self.cond.notify_all()
+
     # -- pool threads ----------------------------------------------------------------------------------------
     def wake(self) -> None:
         """Wake the result thread out of its wait."""

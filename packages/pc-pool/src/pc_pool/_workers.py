@@ -13,19 +13,22 @@ import contextlib
 import logging
 import multiprocessing.context
 import os
+import select
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
 from pc_pool import _serial
 from pc_pool._engine import KILL_GRACE, NO_CONTEXT, TICK, now
-from pc_pool._protocol import recv_msg, send_msg
+from pc_pool._protocol import frame_msg, send_msg, write_all
 from pc_pool._quiet import quiet_numpy_warning_in_children
+from pc_pool._reader import ResultReader
 from pc_pool._records import WorkerHandle
 from pc_pool._state import EngineState
 from pc_pool.worker import worker_main
 
 __all__ = ["WorkerSet"]
+
 
 _log = logging.getLogger("pc_pool.pool")
 _MAX_BURST = 256  # messages read from one worker per wake-up, so a chatty worker cannot starve the others
@@ -68,6 +71,9 @@ class WorkerSet:
         self._copy_tensor = copy_tensor
         self._recurse = recurse
         self._daemon = daemon
+        self._poller = select.poll()
+        self._by_fd: dict[int, tuple[WorkerHandle, bool]] = {}
+        self._poll_key: tuple[Any, ...] | None = None
 
     # -- starting --------------------------------------------------------------------------------------------
     def start(self, index: int, context_of: Callable[[int], Any]) -> WorkerHandle:
@@ -77,7 +83,7 @@ class WorkerSet:
         stored: the pool's bound method would make a reference cycle).
         """
         task_r, task_w = self._ctx.Pipe(duplex=False)
-        # Share mode: duplex, so the parent can acknowledge each result it loaded (see worker.ResultPutter).
+        # Share mode: a Unix socket pair (duplex), so a result's fds can travel with it (SCM_RIGHTS).
         result_r, result_w = self._ctx.Pipe(duplex=not self._copy_tensor)
         try:
             context = context_of(index)
@@ -109,7 +115,7 @@ class WorkerSet:
             raise
         task_r.close()
         result_w.close()
-        return WorkerHandle(index, process, task_w, result_r)
+        return WorkerHandle(index, process, task_w, result_r, ResultReader(result_r, bulk=self._copy_tensor))
 
     def repopulate(self, context_of: Callable[[int], Any]) -> None:
         """Start every missing worker index while the pool wants workers (result thread only)."""
@@ -136,6 +142,35 @@ class WorkerSet:
             raise OSError(f"worker {index} is gone")
         return send_msg(handle.task_conn, header, payload)
 
+    def send_batch(self, index: int, messages: list[tuple[tuple[Any, ...], bytes]]) -> list[int]:
+        """Send several ``(header, payload)`` messages to worker ``index`` in one write; return their sizes.
+
+        The worker reads them one by one exactly as if :meth:`send` had sent each. If the worker dies during
+        the write, only the messages that went out whole are counted (a prefix of ``messages``).
+
+        Raises:
+            OSError: The worker is gone (nothing was sent).
+        """
+        handle = self._state.workers[index]
+        if handle is None:
+            raise OSError(f"worker {index} is gone")
+        parts: list[bytes] = []
+        sizes: list[int] = []
+        for header, payload in messages:
+            framed = frame_msg(header, payload)
+            parts.extend(framed)
+            sizes.append(sum(len(p) for p in framed))
+        written, error = write_all(handle.task_conn.fileno(), parts)
+        if error is None:
+            return sizes
+        whole: list[int] = []
+        for size in sizes:
+            if written < size:
+                break
+            written -= size
+            whole.append(size)
+        return whole
+
     def wait_events(self, timeout: float) -> list[tuple[int, Any]]:
         """Wait up to ``timeout`` s for worker events: ``(index, (header, payload))``, or ``(index, None)``.
 
@@ -148,31 +183,49 @@ class WorkerSet:
         st = self._state
         if st.stopping:
             raise OSError("pool is shutting down")
-        handles = [w for w in st.workers if w is not None and not w.dead]
-        by_conn = {w.result_conn: w for w in handles}
-        by_sentinel = {w.process.sentinel: w for w in handles}
-        wake_fd = st.wakeup.fileno
-        ready = wait([*by_conn, *by_sentinel, wake_fd], timeout)
+        poller = self._poller_for([w for w in st.workers if w is not None and not w.dead], st.wakeup.fileno)
+        ready = poller.poll(max(0, int(timeout * 1000)))
         if not ready:
             raise TimeoutError(f"no worker event within {timeout} s")
-        if wake_fd in ready:
-            st.wakeup.drain()
         events: list[tuple[int, Any]] = []
         dead: list[WorkerHandle] = []
-        for obj in ready:
-            if obj in by_conn:
-                w = by_conn[obj]
-                try:
-                    for _ in range(_MAX_BURST):
-                        events.append((w.index, recv_msg(w.result_conn)))
-                        if not w.result_conn.poll(0):
-                            break
-                except (EOFError, OSError):
-                    dead.append(w)
-            elif obj in by_sentinel:
-                dead.append(by_sentinel[obj])
+        for fd, _ in ready:
+            what = self._by_fd.get(fd)
+            if what is None:  # the wakeup pipe
+                st.wakeup.drain()
+                continue
+            w, is_conn = what
+            if not is_conn:
+                dead.append(w)
+                continue
+            msgs: list[Any] = []
+            try:
+                w.reader.drain(_MAX_BURST, msgs)
+            except (EOFError, OSError):
+                dead.append(w)
+            events.extend((w.index, msg) for msg in msgs)
         events.extend((w.index, None) for w in dict.fromkeys(dead))
         return events
+
+    def _poller_for(self, handles: list[WorkerHandle], wake_fd: int) -> select.poll:
+        """The ``poll`` object over the result pipes, the sentinels and ``wake_fd``; rebuilt when they change.
+
+        ``multiprocessing.connection.wait`` builds a selector per call (~10 us); reusing one ``poll`` object
+        makes a wake-up one system call. The handles are kept, so their ids cannot be reused meanwhile.
+        """
+        key = (wake_fd, *handles)
+        old = self._poll_key
+        if old is not None and len(key) == len(old) and all(a is b for a, b in zip(key, old, strict=True)):
+            return self._poller
+        poller = select.poll()
+        by_fd: dict[int, tuple[WorkerHandle, bool]] = {}
+        for w in handles:
+            by_fd[w.result_conn.fileno()] = (w, True)
+            by_fd[w.process.sentinel] = (w, False)
+        for fd in (*by_fd, wake_fd):
+            poller.register(fd, select.POLLIN)
+        self._poller, self._by_fd, self._poll_key = poller, by_fd, key
+        return poller
 
     # -- stopping --------------------------------------------------------------------------------------------
     def close(self, w: WorkerHandle) -> None:

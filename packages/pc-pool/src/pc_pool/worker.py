@@ -18,11 +18,12 @@ import logging
 import multiprocessing
 import multiprocessing.pool
 import os
+import select
 import signal
 import sys
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 from pc_pool import _serial
@@ -157,15 +158,28 @@ class _LoadFailure:
         self.exc = exc
 
 
-def _wait_readable(conn: Any, parent_sentinel: Any | None) -> None:
-    """Block until ``conn`` has a message; exit at once if the parent dies (nobody would read us again)."""
-    waitables: list[Any] = [conn] if parent_sentinel is None else [conn, parent_sentinel]
-    while not conn.poll(0):
-        ready = wait(waitables, timeout=60.0)
-        if conn in ready:
-            break
-        if ready:  # the parent sentinel fired
-            os._exit(1)
+class _Readable:
+    """Blocks until a connection has a message; exits the process at once if the parent dies first.
+
+    One ``select.poll`` object is kept for the worker's life (``Connection.poll`` builds a selector per call,
+    ~10 us, paid on every task): a ready pipe costs one ``poll`` system call.
+    """
+
+    def __init__(self, conn: Any, parent_sentinel: Any | None) -> None:
+        self._fd = conn.fileno()
+        self._poller = select.poll()
+        self._poller.register(self._fd, select.POLLIN)
+        if parent_sentinel is not None:
+            self._poller.register(parent_sentinel, select.POLLIN)
+
+    def wait(self) -> None:
+        """Return once the connection is readable (or at EOF); ``os._exit(1)`` if the parent is gone."""
+        while True:
+            events = self._poller.poll(60_000)
+            if any(fd == self._fd for fd, _ in events):
+                return
+            if events:  # the parent sentinel fired
+                os._exit(1)
 
 
 class TaskGetter:
@@ -180,7 +194,7 @@ class TaskGetter:
         self._funcs: dict[int, Any] = {}
         self._by_blob: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
         parent = multiprocessing.parent_process()
-        self._parent_sentinel = parent.sentinel if parent is not None else None
+        self._readable = _Readable(conn, parent.sentinel if parent is not None else None)
 
     def _load_func(self, blob: bytes) -> Any:
         # Copied payloads are pure bytes: the same function sent for another job needs no second load. Shared
@@ -199,7 +213,7 @@ class TaskGetter:
 
     def __call__(self) -> _Task | None:
         """Block until the next message; return the task, or ``None`` for the parent's exit request."""
-        _wait_readable(self._conn, self._parent_sentinel)
+        self._readable.wait()
         try:
             msg = recv_msg(self._conn)
         except EOFError:
@@ -226,17 +240,19 @@ class TaskGetter:
 class ResultPutter:
     """``put(reply)`` of the worker loop: send one reply to the parent.
 
-    Share mode (``wait_ack``): after each result this waits for the parent's ``RESULT_ACK`` (sent once it has
-    loaded it) before the next chunk can run, so at most one unloaded result per worker is in flight. (Its fds
-    travel with it, see :mod:`pc_pool._fdpass`, so even a kill in that window loses nothing.) Wake-ups: the
-    ack, or the parent's death (exit).
+    Share mode (``share``): a reply that could not be sent (SIGTERM) gives its share handles back. No wait
+    for the parent to load a result: its fds travel with it (:mod:`pc_pool._fdpass`), so it survives the
+    worker's death once sent. ``wait_ack=True`` keeps the older handshake (wait for ``RESULT_ACK`` after each
+    result) for a custom ``worker`` whose parent sends one; the pool's result thread does not.
     """
 
-    def __init__(self, conn: Connection, wait_ack: bool = False) -> None:
+    def __init__(self, conn: Connection, wait_ack: bool = False, *, share: bool = False) -> None:
         self._conn = conn
         self._wait_ack = wait_ack
+        self._share = share or wait_ack
         parent = multiprocessing.parent_process()
-        self._parent_sentinel = parent.sentinel if parent is not None else None
+        sentinel = parent.sentinel if parent is not None else None
+        self._readable = _Readable(conn, sentinel) if wait_ack else None
 
     def __call__(self, reply: _Reply) -> None:
         """Send ``reply``, ``(header, payload)`` or ``(header, payload, fds)``; exit if the parent is gone."""
@@ -250,13 +266,14 @@ class ResultPutter:
             os._exit(1)  # the parent is gone
         finally:
             close_fds(fds)  # in flight (or lost with the parent): the kernel holds what was sent
-            if not sent and self._wait_ack:  # SIGTERM (terminate) before it left: give its handles back
+            if not sent and self._share:  # SIGTERM (terminate) before it left: give its handles back
                 _serial.release(blob)
         if self._wait_ack and header[0] == K_OK:
             self._await_ack()
 
     def _await_ack(self) -> None:
-        _wait_readable(self._conn, self._parent_sentinel)
+        assert self._readable is not None
+        self._readable.wait()
         try:
             self._conn.recv_bytes()
         except (EOFError, OSError):
@@ -364,7 +381,7 @@ def worker_main(
     if os.getppid() != parent_pid:  # the parent died before PR_SET_PDEATHSIG took effect
         os._exit(1)
     faulthandler.enable()
-    put = ResultPutter(result_conn, wait_ack=not copy_tensor)
+    put = ResultPutter(result_conn, share=not copy_tensor)
     try:
         initializer, initargs, has_ctx, ctx = _serial.loads(init_blob)
     except SystemExit:
