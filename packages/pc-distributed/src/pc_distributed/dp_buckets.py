@@ -52,6 +52,12 @@ class Bucket:
         first = self.params[0]
         # Payload followed by one "used" counter per parameter.
         self.flat = torch.zeros(total + len(self.params), dtype=first.dtype, device=first.device)
+        # Views made once (the buffer never moves): a view per step would cost Python time on the hot path.
+        self._slots = [
+            self.flat[start : start + p.numel()].view_as(p)
+            for start, p in zip(self.offsets, self.params, strict=True)
+        ]
+        self.counters = [self.flat[total + i : total + i + 1] for i in range(len(self.params))]
         self.marked: set[int] = set()
         self.work: object | None = None
         self.launched = False
@@ -63,9 +69,7 @@ class Bucket:
 
     def slot(self, index: int) -> torch.Tensor:
         """The flat-buffer view that holds parameter ``index``'s gradient."""
-        p = self.params[index]
-        start = self.offsets[index]
-        return self.flat[start : start + p.numel()].view_as(p)
+        return self._slots[index]
 
     def reset(self) -> None:
         """Forget this round's state (the buffer is overwritten next round)."""
@@ -172,7 +176,7 @@ class GradReducer:
 
     def _pack(self, bucket: Bucket, pi: int, p: nn.Parameter) -> None:
         slot = bucket.slot(pi)
-        counter = bucket.flat[bucket.numel + pi : bucket.numel + pi + 1]
+        counter = bucket.counters[pi]
         if p.grad is None:
             slot.zero_()
             counter.zero_()
