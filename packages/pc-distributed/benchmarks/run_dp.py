@@ -110,7 +110,7 @@ def step_worker(rank: int, width: int, steps: int, rounds: int, batch: int) -> d
     return {
         "ms": {m: statistics.median(v) * 1e3 for m, v in samples.items()},
         # blocking / DDP within each round (adjacent in time), then the median over the rounds
-        "paired": statistics.median(b / d for b, d in zip(samples["blocking"], samples["ddp"], strict=True)),
+        "ratios": [b / d for b, d in zip(samples["blocking"], samples["ddp"], strict=True)],
         "cpu_ms": {m: statistics.median(v) * 1e3 for m, v in cpu.items()},
         "err": errors,
         "params": params,
@@ -181,8 +181,18 @@ def main() -> None:
         report.row("max |param - single-process SGD|", m, e, "abs")
     for m, v in res["cpu_ms"].items():
         report.row("process CPU time per step (rank 0, all threads), ms", m, v, "ms", baseline=(m == "ddp"))
-    paired = max(r["paired"] for r in both)  # the slower rank's view
-    report.target("blocking DP step time vs DDP", paired, "<=", 1.0)
+    paired = max(statistics.median(r["ratios"]) for r in both)  # the slower rank's view
+    ratios = sorted(both[0]["ratios"])
+    cpu_ratio = res["cpu_ms"]["blocking"] / res["cpu_ms"]["ddp"]
+    load = ms["ddp"] / res["cpu_ms"]["ddp"]
+    why = (
+        f"per-round ratios {ratios[0]:.2f}-{ratios[-1]:.2f}x; process CPU time per step {cpu_ratio:.2f}x "
+        "DDP's "
+        "(the rest is our Python gradient hooks and bucket bookkeeping; DDP's reducer is C++) on a machine "
+        f"where a step's wall time was {load:.1f}x its CPU time (oversubscribed: scheduling noise decides "
+        "a few percent)"
+    )
+    report.target("blocking DP step time vs DDP", paired, "<=", 1.0, note="" if paired <= 1.0 else why)
     report.note(
         f"blocking/DDP step time: median over {rounds} rounds of the ratio within each round (adjacent runs, "
         "order reversed every other round), the larger of the 2 ranks; the machine is shared, so single "
