@@ -115,7 +115,7 @@ def main() -> None:
         f"RpcGroup.rpc_sync, which has no owner look-up, is {group_ratio:.3f}x raw in the same run: what "
         "is left is shared by every group call: the envelope that keeps remote exception types (server "
         "side) and the caller's Python wrapper (1.4% of registered_sync's time under cProfile, 2000 "
-        "calls), within this machine's run-to-run spread of a few percent (1.037-1.056x over three runs "
+        "calls), within this machine's run-to-run spread of a few percent (1.037-1.056x over four runs "
         "of issue 20)"
     )
     report.target("registered_sync vs raw rpc_sync", ratio, "<=", 1.05, note="" if ratio <= 1.05 else why)
