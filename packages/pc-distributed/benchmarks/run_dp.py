@@ -2,7 +2,8 @@
 
 1. 2 CPU processes, an MLP of ~2M parameters: ms per step of DDP, heat-style blocking and non-blocking
    DataParallel and a no-communication baseline (interleaved rounds, medians), plus each mode's deviation from
-   single-process full-batch SGD. Target: blocking <= 1.2x DDP's step time.
+   single-process full-batch SGD and its process CPU time per step. Target: blocking <= 1.0x DDP's step time,
+   as the median over the rounds of the blocking/DDP ratio within each round.
 2. 4 CPU processes as 2 simulated nodes x 2: wall time until the loss falls below a fixed value, DASO vs DDP.
 
 Usage: ``python packages/pc-distributed/benchmarks/run_dp.py [--quick] [--out PATH]``.
@@ -66,27 +67,31 @@ def step_worker(rank: int, width: int, steps: int, rounds: int, batch: int) -> d
         opt = DataParallelOptimizer(sgd)
         return DataParallel(net, optimizer=opt, blocking_parameter_updates=(mode == "blocking")), opt, net
 
-    def run(mode: str) -> tuple[float, nn.Module]:
+    def run(mode: str) -> tuple[float, float, nn.Module]:
         model, opt, net = build(mode)
         dist.barrier()
         times = []
+        cpu_start = time.process_time()
         for x, y in data:
             start = time.perf_counter()
             opt.zero_grad()
             ((model(x[sl]) - y[sl]) ** 2).mean().backward()
             opt.step()
             times.append(time.perf_counter() - start)
+        cpu = (time.process_time() - cpu_start) / len(data)
         if isinstance(model, DataParallel):
             model.flush()
-        return statistics.median(times[1:]), net
+        return statistics.median(times[1:]), cpu, net
 
     modes = ["ddp", "blocking", "nonblocking", "none"]
     samples: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
     nets: dict[str, nn.Module] = {}
-    for _ in range(rounds):  # interleaved so drifts of a shared machine hit every mode alike
-        for m in modes:
-            t, nets[m] = run(m)
+    for r in range(rounds):  # interleaved, order reversed every other round: drifts hit every mode alike
+        for m in modes if r % 2 == 0 else modes[::-1]:
+            t, c, nets[m] = run(m)
             samples[m].append(t)
+            cpu[m].append(c)
     # single-process full-batch SGD reference
     ref = mlp(width)
     sgd = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
@@ -104,6 +109,9 @@ def step_worker(rank: int, width: int, steps: int, rounds: int, batch: int) -> d
     params = sum(p.numel() for p in ref.parameters())
     return {
         "ms": {m: statistics.median(v) * 1e3 for m, v in samples.items()},
+        # blocking / DDP within each round (adjacent in time), then the median over the rounds
+        "ratios": [b / d for b, d in zip(samples["blocking"], samples["ddp"], strict=True)],
+        "cpu_ms": {m: statistics.median(v) * 1e3 for m, v in cpu.items()},
         "err": errors,
         "params": params,
     }
@@ -160,8 +168,9 @@ def time_to_loss_worker(
 def main() -> None:
     args = bench_args("pc-distributed (data parallel)")
     report = Report("pc-distributed-dp")
-    width, steps, rounds = (512, 8, 3) if args.quick else (1024, 20, 3)
-    res = run_world(step_worker, 2, args=(width, steps, rounds, 64), init_rpc=False, timeout=400)[0]
+    width, steps, rounds = (512, 8, 3) if args.quick else (1024, 20, 8)
+    both = run_world(step_worker, 2, args=(width, steps, rounds, 64), init_rpc=False, timeout=400)
+    res = both[0]
     ms = res["ms"]
     case = f"MLP {res['params'] / 1e6:.2f}M params, 2 procs, ms/step"
     report.row(case, "torch DDP", ms["ddp"], "ms", baseline=True)
@@ -170,7 +179,25 @@ def main() -> None:
     report.row(case, "no communication", ms["none"], "ms")
     for m, e in res["err"].items():
         report.row("max |param - single-process SGD|", m, e, "abs")
-    report.target("blocking DP step time vs DDP", ms["blocking"] / ms["ddp"], "<=", 1.2)
+    for m, v in res["cpu_ms"].items():
+        report.row("process CPU time per step (rank 0, all threads), ms", m, v, "ms", baseline=(m == "ddp"))
+    paired = max(statistics.median(r["ratios"]) for r in both)  # the slower rank's view
+    ratios = sorted(both[0]["ratios"])
+    cpu_ratio = res["cpu_ms"]["blocking"] / res["cpu_ms"]["ddp"]
+    load = ms["ddp"] / res["cpu_ms"]["ddp"]
+    why = (
+        f"per-round ratios {ratios[0]:.2f}-{ratios[-1]:.2f}x; process CPU time per step {cpu_ratio:.2f}x "
+        "DDP's "
+        "(the rest is our Python gradient hooks and bucket bookkeeping; DDP's reducer is C++) on a machine "
+        f"where a step's wall time was {load:.1f}x its CPU time (oversubscribed: scheduling noise decides "
+        "a few percent)"
+    )
+    report.target("blocking DP step time vs DDP", paired, "<=", 1.0, note="" if paired <= 1.0 else why)
+    report.note(
+        f"blocking/DDP step time: median over {rounds} rounds of the ratio within each round (adjacent runs, "
+        "order reversed every other round), the larger of the 2 ranks; the machine is shared, so single "
+        "medians drift by tens of percent between runs (see 'no communication')"
+    )
     report.target(
         "blocking DP deviation from single-process SGD", res["err"]["blocking"], "<=", 1e-6, unit=""
     )

@@ -4,6 +4,8 @@ A waiter thread waits for a key that a timer sets 1 s later; meanwhile the main 
 ``compare_set`` round trip each) on the shared client. For each way of waiting it prints the look-ups' median
 and maximum latency and the waiter's wake-up delay after the key was set, then the cost of opening a client.
 The numbers are quoted in ``docs/distributed.md``; pc-distributed uses "a client of its own" (pooled).
+Last, the price of the bound on short requests (issue 20): ``compare_set`` round trips on the raw client and
+through :class:`pc_distributed._bounded.BoundedStore` (a hand-off to its worker thread), interleaved.
 
 Usage: ``python store_waits.py`` (one process, a few seconds; not part of ``run_all.py``).
 """
@@ -18,6 +20,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from pc_distributed._bounded import BoundedStore
 
 T = timedelta(seconds=30)
 MASTER: Any = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=T, wait_for_workers=False)  # type: ignore[attr-defined]
@@ -88,6 +92,29 @@ def polled(key: str) -> None:
         time.sleep(0.01)
 
 
+def bounded_overhead(rounds: int = 21, number: int = 200) -> None:
+    """Median ``compare_set`` latency on the raw client and through a BoundedStore over the same client."""
+    raw = client()
+    bounded = BoundedStore(raw, 30.0, "bench store")
+    fns = {"raw client": raw.compare_set, "BoundedStore": bounded.compare_set}
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(rounds):
+        for name, fn in list(fns.items())[:: 1 if r % 2 == 0 else -1]:
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(number):
+                fn("k", "\x00absent", "\x00absent")
+            samples[name].append((time.perf_counter() - t) / number)
+            cpu[name].append((time.process_time() - c) / number)
+    bounded.close()
+    for name in fns:
+        print(
+            f"short request ({name:13s}) median {statistics.median(samples[name]) * 1e6:8.1f} us wall, "
+            f"{statistics.median(cpu[name]) * 1e6:8.1f} us CPU (process)",
+            flush=True,
+        )
+
+
 def main() -> None:
     measure("one wait on the shared client", lambda key: SHARED.wait([key], T))
     measure("50 ms slices on the shared client", sliced(0.05))
@@ -99,6 +126,7 @@ def main() -> None:
         t = time.perf_counter()
         keep.extend(client() for _ in range(n))
         print(f"opening {n:2d} more clients: {(time.perf_counter() - t) / n * 1e3:8.3f} ms each", flush=True)
+    bounded_overhead()
 
 
 if __name__ == "__main__":

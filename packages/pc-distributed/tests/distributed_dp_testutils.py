@@ -91,13 +91,21 @@ def max_err(net: nn.Module, ref: dict[str, torch.Tensor]) -> float:
     return max(float((p.detach() - ref[k]).abs().max()) for k, p in net.named_parameters())
 
 
-def _train(rank: int, world: int, dtype: torch.dtype, blocking: bool, accumulate: bool) -> dict[str, Any]:
+def _train(
+    rank: int, world: int, dtype: torch.dtype, blocking: bool, accumulate: bool, cap_mb: float = 25.0
+) -> dict[str, Any]:
     snaps, grads = oracle(world, dtype)
     tol = 1e-10 if dtype == torch.float64 else 1e-6
     net = make_net(1, dtype, pretrained=True) if rank == 0 else make_net(100 + rank, dtype, pretrained=False)
     opt = DataParallelOptimizer(make_sgd(net))
     rng = torch.get_rng_state()
-    dp = DataParallel(net, optimizer=opt, blocking_parameter_updates=blocking)
+    dp = DataParallel(
+        net,
+        optimizer=opt,
+        blocking_parameter_updates=blocking,
+        bucket_cap_mb=cap_mb,
+        first_bucket_cap_mb=cap_mb,
+    )
     assert torch.equal(rng, torch.get_rng_state()), "construction changed the RNG state"
     assert max_err(net, snaps[0]) == 0.0, "replicas do not start from rank 0's (pretrained) weights"
     assert dp.blocking_parameter_updates is blocking
@@ -184,6 +192,37 @@ def _rank_dependent_branch(rank: int) -> dict[str, Any]:
     }
 
 
+def _overlap(rank: int) -> list[str]:
+    """Blocking mode's event order: the last layer's bucket is all-reduced before backward reaches layer 0."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+    # buckets in reverse order: [net[2].bias, net[2].weight] (80 bytes >= the first cap), then net[0]'s
+    dp = DataParallel(net, optimizer=opt, blocking_parameter_updates=True, first_bucket_cap_mb=64 / 2**20)
+    events: list[str] = []
+    real_all_reduce = dist.all_reduce
+
+    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        events.append(f"all_reduce {tensor.numel()}")
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    def on_output(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        # fires when backward reaches layer 0, before its weight and bias gradients exist
+        output.register_hook(lambda grad: events.append("backward reaches layer 0"))
+
+    handle = net[0].register_forward_hook(on_output)
+    dist.all_reduce = spy  # type: ignore[assignment]
+    try:
+        dp(torch.full((2, 4), float(rank + 1))).sum().backward()
+        events.append("backward returned")
+    finally:
+        dist.all_reduce = real_all_reduce
+        handle.remove()
+    assert all(p.grad is not None for p in net.parameters()), "averaged gradients missing after backward"
+    opt.step()
+    return events
+
+
 def dp_numerics_worker(rank: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     world = dist.get_world_size()
@@ -196,6 +235,10 @@ def dp_numerics_worker(rank: int) -> dict[str, Any]:
         ("accumulate_nonblocking", torch.float64, False, True),
     ]:
         out[name] = _train(rank, world, dtype, blocking, accumulate)
+    # many small buckets (about one per parameter): the tied, shared and unused parameters across buckets
+    out["blocking64_small_buckets"] = _train(rank, world, torch.float64, True, False, cap_mb=1e-4)
+    out["accumulate_blocking_small_buckets"] = _train(rank, world, torch.float64, True, True, cap_mb=1e-4)
+    out["overlap"] = _overlap(rank)
     out["buffers"] = _buffers(rank)
     out["branch"] = _rank_dependent_branch(rank)
     out["errors"] = dp_errors_worker(rank)

@@ -24,6 +24,9 @@ def test_dp_buckets_split_by_dtype_and_cap_in_order() -> None:
     assert buckets[0].numel == 20
     assert buckets[0].offsets == [0, 10]
     assert buckets[0].flat.numel() == 22  # payload + one "used" counter per parameter
+    # a small first bucket closes once it reaches its cap (b crosses it); the rest fill up to cap_bytes
+    buckets = make_buckets([[a, b, d, a]], cap_bytes=1000, first_cap_bytes=50)
+    assert [[id(p) for p in bk.params] for bk in buckets] == [[id(a), id(b)], [id(d), id(a)]]
 
 
 def test_dp_optimizer_checks_types_and_steps_without_owner() -> None:
@@ -62,6 +65,8 @@ def test_dp_local_argument_errors_come_before_any_communication() -> None:
         DataParallel(net, optimizer=opt, blocking_parameter_updates="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         DataParallel(net, optimizer=opt, bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="first_bucket_cap_mb"):
+        DataParallel(net, optimizer=opt, first_bucket_cap_mb=-1.0)
     with pytest.raises(ValueError, match="timeout"):
         DataParallel(net, optimizer=opt, timeout=0)
     with pytest.raises(ValueError, match="timeout"):

@@ -19,7 +19,16 @@ def numerics() -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "mode", ["blocking64", "nonblocking64", "blocking32", "accumulate_blocking", "accumulate_nonblocking"]
+    "mode",
+    [
+        "blocking64",
+        "nonblocking64",
+        "blocking32",
+        "accumulate_blocking",
+        "accumulate_nonblocking",
+        "blocking64_small_buckets",
+        "accumulate_blocking_small_buckets",
+    ],
 )
 def test_dp_matches_single_process_sgd_and_ranks_agree(numerics: list[dict], mode: str) -> None:
     r0, r1 = numerics[0][mode], numerics[1][mode]
@@ -27,6 +36,18 @@ def test_dp_matches_single_process_sgd_and_ranks_agree(numerics: list[dict], mod
     assert r0["err"] < bound
     assert r1["err"] < bound
     assert r0["params"] == r1["params"], "ranks hold different parameters"
+
+
+def test_dp_blocking_all_reduce_overlaps_backward(numerics: list[dict]) -> None:
+    # event order, not time: the last layer's bucket (2 params: 20 values + 2 "used" counters) is launched
+    # before backward reaches the first layer, whose bucket follows; all before backward returns
+    for events in (numerics[0]["overlap"], numerics[1]["overlap"]):
+        assert events == [
+            "all_reduce 22",
+            "backward reaches layer 0",
+            "all_reduce 22",
+            "backward returned",
+        ], events
 
 
 def test_dp_buffers_follow_rank0_after_eval(numerics: list[dict]) -> None:

@@ -1,7 +1,9 @@
 """How an RPC group's call reaches its target: the send with mapped transport errors, and the owner retry.
 
-:func:`call_owner` is the one path of ``registered_sync`` and ``registered_async``: ask the cached owner
-first; if it answers "missing" (a stale cache entry), look the owner up again and try once more.
+:func:`call_owner` (``registered_async``) and :func:`call_owner_sync` (``registered_sync``) take the same
+path: ask the cached owner first; if it answers "missing" (a stale cache entry), look the owner up again and
+try once more. The blocking one waits in the caller's thread (as a raw ``rpc_sync`` does) instead of
+chaining a second future whose callback runs on an RPC thread: one hand-off less on the hot path.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pc_distributed._host import GroupHost
 from pc_distributed._remote import MissingOnOwner, unwrap
 from pc_distributed._transport import transport_error, with_cause
 
-__all__ = ["call_owner", "invoke"]
+__all__ = ["call_owner", "call_owner_sync", "invoke"]
 
 
 def invoke(
@@ -83,3 +85,33 @@ def call_owner(
 
     attempt(False)
     return out
+
+
+def call_owner_sync(
+    owner_of: Callable[[bool], str | None],
+    send: Callable[[str], Any],
+    not_found: Callable[[], KeyError],
+) -> Any:
+    """Blocking :func:`call_owner`: the service's result, or its exception raised here.
+
+    Args:
+        owner_of: ``owner_of(refresh)`` returns the owner's name (cached unless ``refresh``), or None.
+        send: Sends the call to an owner and returns the owner's envelope (transport errors mapped, e.g. by
+            :func:`invoke` with ``rpc_sync``).
+        not_found: Makes the ``KeyError`` for a key no member holds.
+
+    Raises:
+        KeyError: If no member holds the key (also after one fresh look-up).
+        TimeoutError: If the owner did not answer in time.
+        ConnectionError: If the owner is unreachable.
+        Exception: The service's own exception.
+    """
+    for refresh in (False, True):
+        owner = owner_of(refresh)
+        if owner is None:
+            break
+        try:
+            return unwrap(send(owner), f"process {owner!r}")
+        except MissingOnOwner:
+            continue  # a stale cache entry: look the owner up again, once
+    raise not_found()

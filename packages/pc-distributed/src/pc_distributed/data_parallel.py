@@ -115,7 +115,10 @@ class DataParallel(nn.Module):
             optimizers, LBFGS or an optimizer over only part of the parameters fall back to blocking with a
             warning.
         broadcast_buffers: Re-broadcast buffers from the first rank before each training forward.
-        bucket_cap_mb: Largest gradient bucket in blocking mode, in MiB.
+        bucket_cap_mb: Largest gradient bucket in blocking mode, in MiB. Buckets are all-reduced while
+            ``backward()`` still runs, in reverse parameter order, as each one fills.
+        first_bucket_cap_mb: Blocking mode's first bucket closes once it holds this many MiB (1 MiB, as in
+            ``DistributedDataParallel``), so the first all-reduce starts early in ``backward()``.
         timeout: Seconds to wait for one reduction, or ``None`` for the process group's timeout.
 
     Raises:
@@ -139,6 +142,7 @@ class DataParallel(nn.Module):
         *,
         broadcast_buffers: bool = True,
         bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
         timeout: float | None = None,
     ) -> None:
         super().__init__()
@@ -148,8 +152,9 @@ class DataParallel(nn.Module):
             raise TypeError(
                 f"blocking_parameter_updates must be a bool, got {type(blocking_parameter_updates).__name__}"
             )
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
         timeout = check_timeout(timeout)  # the package's convention: None (or -1) is the group's timeout
         optimizers = _as_optimizer_list(optimizer)
         group = resolve_group(comm)
@@ -182,7 +187,10 @@ class DataParallel(nn.Module):
 
         wait = to_timedelta(timeout)
         if blocking:
-            buckets = make_buckets([list(reversed(trainable))], int(bucket_cap_mb * 2**20))
+            cap = int(bucket_cap_mb * 2**20)
+            # A small first bucket (as DDP's) starts the first reduction early, overlapping most of backward.
+            first = min(cap, int(first_bucket_cap_mb * 2**20))
+            buckets = make_buckets([list(reversed(trainable))], cap, first)
             self._reducer = GradReducer(buckets, group, wait, take_grads=False)
         else:
             self._reducer = self._build_layer_buckets(module, group, wait)
@@ -251,11 +259,11 @@ class DataParallel(nn.Module):
         for index in range(len(self._reducer.buckets)):
             if not self._reducer.pending(index):
                 continue
-            for p, avg in self._reducer.finish(index):
+            for p, avg in self._reducer.finish(index, copy=False):
                 if avg is None:
                     continue
                 if p.grad is None:
-                    p.grad = avg
+                    p.grad = avg.clone()
                 else:
                     p.grad.copy_(avg)
 

@@ -2,14 +2,14 @@
 
 Data flow of one synchronisation round::
 
-    backward ──► post-accumulate hook(p) ──► mark(p): copy p.grad into its bucket's flat buffer, set used flag
+    backward ──► post-accumulate hook(p) ──► mark(p): p.grad / world into its bucket's buffer, set used flag
                                                │
                      bucket full and every lower bucket launched?
                                                │ yes
                                                ▼
                                 launch: async all_reduce(SUM) of the flat buffer
                                                │
-    finish_all()/finish(i) ◄───────────────────┘  wait, divide by the world size, hand the averages back
+    finish_all()/finish(i) ◄───────────────────┘  wait, hand the averages back
 
 The buckets are fixed at construction and launched strictly in index order, so every rank issues the same
 sequence of collectives even when gradients arrive in a different order or some parameters get none (those are
@@ -52,6 +52,12 @@ class Bucket:
         first = self.params[0]
         # Payload followed by one "used" counter per parameter.
         self.flat = torch.zeros(total + len(self.params), dtype=first.dtype, device=first.device)
+        # Views made once (the buffer never moves): a view per step would cost Python time on the hot path.
+        self._slots = [
+            self.flat[start : start + p.numel()].view_as(p)
+            for start, p in zip(self.offsets, self.params, strict=True)
+        ]
+        self.counters = [self.flat[total + i : total + i + 1] for i in range(len(self.params))]
         self.marked: set[int] = set()
         self.work: object | None = None
         self.launched = False
@@ -63,9 +69,7 @@ class Bucket:
 
     def slot(self, index: int) -> torch.Tensor:
         """The flat-buffer view that holds parameter ``index``'s gradient."""
-        p = self.params[index]
-        start = self.offsets[index]
-        return self.flat[start : start + p.numel()].view_as(p)
+        return self._slots[index]
 
     def reset(self) -> None:
         """Forget this round's state (the buffer is overwritten next round)."""
@@ -74,12 +78,17 @@ class Bucket:
         self.launched = False
 
 
-def make_buckets(groups: Sequence[Sequence[nn.Parameter]], cap_bytes: int | None) -> list[Bucket]:
+def make_buckets(
+    groups: Sequence[Sequence[nn.Parameter]], cap_bytes: int | None, first_cap_bytes: int | None = None
+) -> list[Bucket]:
     """Build buckets from ordered parameter groups, splitting by device/dtype and at ``cap_bytes``.
 
     Args:
         groups: Parameter groups in launch order (e.g. one per module, or one holding every parameter).
         cap_bytes: The largest payload of one bucket in bytes, or ``None`` for no limit.
+        first_cap_bytes: If given, the first bucket closes as soon as its payload reaches this many bytes
+            (as ``DistributedDataParallel``'s small first bucket does), so the first reduction starts early in
+            ``backward()`` and overlaps the rest of it.
 
     Returns:
         The buckets in launch order.
@@ -97,6 +106,9 @@ def make_buckets(groups: Sequence[Sequence[nn.Parameter]], cap_bytes: int | None
                 current, size = [], 0
             current.append(p)
             size += nbytes
+            if first_cap_bytes is not None and not buckets and size >= first_cap_bytes:
+                buckets.append(Bucket(current))
+                current, size = [], 0
         if current:
             buckets.append(Bucket(current))
     return buckets
@@ -164,12 +176,13 @@ class GradReducer:
 
     def _pack(self, bucket: Bucket, pi: int, p: nn.Parameter) -> None:
         slot = bucket.slot(pi)
-        counter = bucket.flat[bucket.numel + pi : bucket.numel + pi + 1]
+        counter = bucket.counters[pi]
         if p.grad is None:
             slot.zero_()
             counter.zero_()
         else:
-            slot.copy_(p.grad)
+            # Divided while packed (one pass instead of a copy and a later in-place division).
+            torch.div(p.grad, self.world, out=slot)
             counter.fill_(1)
             if self.take_grads:
                 p.grad = None
@@ -207,22 +220,26 @@ class GradReducer:
         return self.buckets[index].launched
 
     @torch.no_grad()
-    def finish(self, index: int) -> list[tuple[nn.Parameter, torch.Tensor | None]]:
+    def finish(self, index: int, *, copy: bool = True) -> list[tuple[nn.Parameter, torch.Tensor | None]]:
         """Wait for bucket ``index`` and return ``(param, averaged_grad or None)`` pairs.
 
-        ``None`` means no rank produced a gradient for that parameter. The returned tensors are fresh (they do
-        not alias the bucket buffer). When the last pending bucket is finished, the round closes.
+        ``None`` means no rank produced a gradient for that parameter. With ``copy`` (the default) the
+        returned tensors are fresh; without it they are views of the bucket buffer, valid until the bucket's
+        next round (the caller copies them out at once). When the last pending bucket is finished, the round
+        closes.
         """
         bucket = self.buckets[index]
         if not bucket.launched:
             raise RuntimeError(f"bucket {index} has no reduction in flight")
         wait_work(bucket.work, self.timeout)
-        payload = bucket.flat[: bucket.numel]
-        payload.div_(self.world)
+        counts = bucket.flat[bucket.numel :].tolist()  # one read of every "used" counter
         out: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         for pi, p in enumerate(bucket.params):
-            used = float(bucket.flat[bucket.numel + pi]) > 0.5
-            out.append((p, bucket.slot(pi).clone() if used else None))
+            if counts[pi] > 0.5:
+                view = bucket.slot(pi)
+                out.append((p, view.clone() if copy else view))
+            else:
+                out.append((p, None))
         bucket.reset()
         if self.open and self.next_launch == len(self.buckets) and not any(b.launched for b in self.buckets):
             self.open = False

@@ -3,8 +3,8 @@
 A live group holds the World it was created by (given at creation) and, through it, the store of its
 directory (``_rpc_directory``). The value or service itself lives only in the owner's locked local table
 (``_remote``). A call to a service is one RPC when the owner is cached; an owner that lost the key answers
-"missing", and the caller looks up again and retries once (one path, :meth:`RpcGroup._call_owner`, for the
-synchronous and the asynchronous call).
+"missing", and the caller looks up again and retries once (``_rpc_calls``; ``registered_sync`` waits in the
+caller's thread, as a raw ``rpc_sync`` does).
 
 Keys may be any value whose ``repr`` is the same in every process (strings, ints, tuples of those).
 Timeouts follow the package's convention (``_transport``): ``None`` (or the seed's ``-1``) is the World's
@@ -23,7 +23,7 @@ import torch.distributed.rpc as rpc
 from pc_distributed import _remote
 from pc_distributed._host import GroupHost, current_world
 from pc_distributed._remote import SERVICE, VALUE, unwrap
-from pc_distributed._rpc_calls import call_owner, invoke
+from pc_distributed._rpc_calls import call_owner, call_owner_sync, invoke
 from pc_distributed._rpc_directory import Directory
 from pc_distributed._rpc_join import check_group_args, join_group
 from pc_distributed._store import store_barrier
@@ -114,17 +114,17 @@ class RpcGroup:
             raise RuntimeError(f"RpcGroup {self.group_name!r} has been destroyed")
         return invoke(self._world(), method, to, func, args, timeout)
 
-    def _call_owner(
-        self, key: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, timeout: float | None
-    ) -> torch.futures.Future[Any]:
-        """The one path of :meth:`registered_sync` and :meth:`registered_async` (see ``_rpc_calls``)."""
+    def _owner_call(
+        self, key: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, timeout: float | None, method: Any
+    ) -> tuple[Callable[[bool], str | None], Callable[[str], Any], Callable[[], KeyError]]:
+        """A service call's owner look-up, send (with ``method``) and not-found error (see ``_rpc_calls``)."""
         call_args, call_kwargs = check_call_args(args, kwargs)
         seconds = self._seconds(timeout)
         ktext = repr(key)
         payload = (self.group_name, ktext, call_args, call_kwargs)
-        return call_owner(
+        return (
             lambda refresh: self._dir().owner(SERVICE, ktext, refresh),
-            lambda owner: self._invoke(rpc.rpc_async, owner, _remote.call_service, payload, seconds),
+            lambda owner: self._invoke(method, owner, _remote.call_service, payload, seconds),
             lambda: self._not_found(SERVICE, key),
         )
 
@@ -222,7 +222,7 @@ class RpcGroup:
             ConnectionError: If the owner is unreachable (e.g. dead).
             Exception: The service's exception, original type, remote traceback as ``__cause__``.
         """
-        return self._call_owner(key, args, kwargs, timeout).wait()
+        return call_owner_sync(*self._owner_call(key, args, kwargs, timeout, rpc.rpc_sync))
 
     def registered_async(
         self,
@@ -236,7 +236,7 @@ class RpcGroup:
         Errors are those of :meth:`registered_sync`, raised by ``wait()``; the future completes within the
         timeout of each attempt (a dead owner ends it with ``ConnectionError`` or ``TimeoutError``).
         """
-        return self._call_owner(key, args, kwargs, timeout)
+        return call_owner(*self._owner_call(key, args, kwargs, timeout, rpc.rpc_async))
 
     def registered_remote(
         self,
