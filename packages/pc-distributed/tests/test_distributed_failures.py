@@ -21,11 +21,22 @@ from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
 
+_EARLIER: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _children_before_the_test() -> None:
+    """Children this process already had (other suites' session-scoped pools in one pytest run)."""
+    _EARLIER.clear()
+    _EARLIER.update(child.pid for child in psutil.Process().children(recursive=True))
+
 
 def _our_children() -> list[psutil.Process]:
-    """Live children of this process, except multiprocessing's own helpers (resource tracker, forkserver)."""
+    """Children the test started, except multiprocessing's own helpers (resource tracker, forkserver)."""
     out = []
     for child in psutil.Process().children(recursive=True):
+        if child.pid in _EARLIER:
+            continue
         try:
             cmd = " ".join(child.cmdline())
         except psutil.Error:

@@ -53,7 +53,8 @@ def test_release_gives_back_the_dup_fd_of_a_file_descriptor_payload() -> None:
     payloads = [pc_pickle.dumps(t, copy_tensor=False) for _ in range(5)]
     held = {fd: target for fd, target in _open_fds().items() if before.get(fd) != target}
     # one dup'd fd per unloaded payload, held for the consumer, each on the tensor's shared memory
-    assert len(held) == 5 and len(set(held.values())) == 1, held
+    assert len(held) == 5, held
+    assert len(set(held.values())) == 1, held
     for data in payloads:
         pc_pickle.release(data)
     now = _open_fds()
