@@ -25,11 +25,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scaling"))  # the scaling curves' table and plots
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # issue_targets, also when imported from elsewhere
 
+from issue_targets import ISSUE, ISSUE_TARGETS, cell, fmt, issue_rows, verdict
 from scaling_plots import curve_plot_name, curve_table, plot_curves
+
+__all__ = ["ISSUE_TARGETS", "issue_rows", "main", "markdown", "plot", "run_package"]
 
 ROOT = Path(__file__).resolve().parents[1]
 # Scratch space for the scripts' own JSON while a run is going; the merged results are kept in STORED.
@@ -100,151 +104,6 @@ def run_package(package: str, quick: bool) -> dict[str, Any]:
     return merged
 
 
-class IssueTarget(NamedTuple):
-    """A target of the performance issue, found in a package's results by the name of its measured target.
-
-    The package's benchmark states the measurement with :meth:`benchlib.Report.target` under ``measured_as``;
-    the verdict here uses the issue's bound, and the reason for a miss is that target's ``note``.
-    """
-
-    package: str
-    text: str
-    measured_as: str
-    op: str
-    bound: float | None  # None: the target is a curve, reported rather than bounded
-    unit: str = "x"
-
-
-ISSUE = "issue 20"
-# Issue 20 ("Performance to the limit"): every target, in the issue's words, with the name of the package
-# target that measures it. A target no benchmark measures yet is reported as not measured, never left out.
-ISSUE_TARGETS: tuple[IssueTarget, ...] = (
-    IssueTarget(
-        "pc-pickle",
-        "100 MB tensor dumps+loads vs pickle-5",
-        "100 MB tensor dumps+loads vs pickle5",
-        "<=",
-        0.25,
-    ),
-    IssueTarget("pc-pickle", "10k small objects vs pickle-5", "10k small objects vs pickle5", "<=", 1.1),
-    IssueTarget(
-        "pc-pickle",
-        "peak memory of dumps+loads of a 100 MB tensor / the tensor",
-        "peak RSS of dumps+loads, 100 MB tensor / tensor",
-        "<=",
-        2.1,
-    ),
-    IssueTarget(
-        "pc-pool",
-        "chunksize-1 throughput vs mp.Pool (fork)",
-        "chunksize-1 throughput vs mp.Pool(fork)",
-        ">=",
-        1.0,
-    ),
-    IssueTarget("pc-pool", "200 sequential apply vs mp.Pool", "200 sequential applies vs mp.Pool", "<=", 1.0),
-    *(
-        IssueTarget(
-            "pc-sync",
-            f"SyncBN / plain BN, same {n} CPU thread replicas, {shape}",
-            f"(issue) SyncBN / plain BN, same {n} replicas, {shape}",
-            "<=",
-            1.3,
-        )
-        for shape in ("32x64x28x28", "64x256x14x14")
-        for n in (2, 4)
-    ),
-    *(
-        IssueTarget(
-            "pc-sync",
-            f"non-parallel step vs plain BN, {shape}",
-            f"(design) non-parallel train step vs BN, {shape}",
-            "<=",
-            1.05,
-        )
-        for shape in ("32x64x28x28", "64x256x14x14")
-    ),
-    IssueTarget(
-        "pc-distributed",
-        "blocking DataParallel step vs DDP, 2.1M-parameter MLP",
-        "blocking DP step time vs DDP",
-        "<=",
-        1.0,
-    ),
-    IssueTarget(
-        "pc-distributed", "registered_sync vs a raw rpc_sync", "registered_sync vs raw rpc_sync", "<=", 1.05
-    ),
-    IssueTarget(
-        "pc-assigner", "mean cost / proven optimum", "mean cost / proven optimum (auto)", "<=", 1.001
-    ),
-    IssueTarget(
-        "pc-assigner", "p95 runtime for n <= 16 (< 20 ms)", "p95 runtime of auto for n <= 16", "<=", 0.02, "s"
-    ),
-    IssueTarget(
-        "pc-assigner", "n = 200 modules: runtime (< 1 s)", "n = 200: runtime of auto", "<=", 1.0, "s"
-    ),
-    IssueTarget(
-        "pc-assigner", "n = 200 modules: cost / LP lower bound", "n = 200: cost / LP lower bound", "<=", 1.05
-    ),
-    *(
-        IssueTarget(
-            "scaling",
-            f"{what} against {axis}: weak-scaling efficiency reported beside the ideal",
-            f"{what} scaling over {axis}",
-            ">=",
-            None,
-        )
-        for what in ("gradient server (pushes/s)", "DataParallel (samples/s)")
-        for axis in ("processes (1, 2, 4)", "hosts (1, 2, 3)")
-    ),
-)
-
-
-def _fmt(value: float) -> str:
-    return f"{value:.5g}"
-
-
-def _verdict(met: bool, note: str, missing: str = "") -> str:
-    """``yes``, or ``**no**`` with the reason the benchmark gave (``missing`` when it gave none)."""
-    if met:
-        return "yes"
-    why = note or missing
-    return f"**no**: {why}" if why else "**no**"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def issue_rows(results: list[dict[str, Any]]) -> list[str]:
-    """The issue's targets as table rows: each beside its measured value and a verdict."""
-    by_package = {r["package"]: r for r in results}
-    lines = []
-    for it in ISSUE_TARGETS:
-        bound = "a curve" if it.bound is None else f"{it.op} {it.bound:.5g}{it.unit}"
-        res = by_package.get(it.package)
-        found = [t for t in (res or {}).get("targets", []) if t["name"] == it.measured_as]
-        if not found:
-            why = (
-                "no benchmark measures it yet"
-                if res is None or it.package == "scaling"
-                else (f"the package's benchmark reports no target named '{it.measured_as}'")
-            )
-            lines.append(f"| {it.package} | {_cell(it.text)} | not measured | {bound} | **no**: {why} |")
-            continue
-        t = found[-1]
-        measured = float(t["measured"])
-        if it.bound is None:
-            met = bool(t["met"])
-        else:
-            met = measured <= it.bound if it.op == "<=" else measured >= it.bound
-        when = f" (run {res['run_at']})" if res and res.get("run_at") else ""
-        lines.append(
-            f"| {it.package} | {_cell(it.text)} | {measured:.5g}{t['unit']}{when} | {bound} | "
-            f"{_cell(_verdict(met, t.get('note', ''), 'the benchmark records no reason'))} |"
-        )
-    return lines
-
-
 def markdown(results: list[dict[str, Any]], plots: bool = True, issue: bool = True) -> str:
     """The combined report: the issue's targets, every package target with its measured value, then each
     package's ratio table. ``issue=False`` leaves the issue's section out (the GPU table)."""
@@ -271,11 +130,11 @@ def markdown(results: list[dict[str, Any]], plots: bool = True, issue: bool = Tr
     ]
     for res in results:
         for t in res["targets"]:
-            met = _cell(_verdict(t["met"], t.get("note", "")))
+            met = cell(verdict(t["met"], t.get("note", "")))
             # a curve has no bound: met means every point was measured (benchmarks/scaling/run.py)
-            bound = "a curve" if t.get("curve") else f"{t['op']} {_fmt(t['bound'])}{t['unit']}"
+            bound = "a curve" if t.get("curve") else f"{t['op']} {fmt(t['bound'])}{t['unit']}"
             lines.append(
-                f"| {res['package']} | {t['name']} | {_fmt(t['measured'])}{t['unit']} | {bound} | {met} |"
+                f"| {res['package']} | {t['name']} | {fmt(t['measured'])}{t['unit']} | {bound} | {met} |"
             )
         for err in res.get("errors", []):
             lines.append(f"| {res['package']} | benchmark failed: {err} | | | **no** |")
@@ -287,8 +146,8 @@ def markdown(results: list[dict[str, Any]], plots: bool = True, issue: bool = Tr
         if res["rows"]:
             lines += ["| case | implementation | value | ratio to baseline |", "| --- | --- | --- | --- |"]
             for r in res["rows"]:
-                ratio = "baseline" if r["baseline"] else (_fmt(r["ratio"]) if r["ratio"] is not None else "")
-                lines.append(f"| {r['case']} | {r['impl']} | {_fmt(r['value'])} {r['unit']} | {ratio} |")
+                ratio = "baseline" if r["baseline"] else (fmt(r["ratio"]) if r["ratio"] is not None else "")
+                lines.append(f"| {r['case']} | {r['impl']} | {fmt(r['value'])} {r['unit']} | {ratio} |")
         if plots and res["package"] and PLOTS.joinpath(f"{res['package']}.png").exists():
             lines += ["", f"![{res['package']} ratios](assets/bench/{res['package']}.png)"]
         if res.get("curves"):
