@@ -21,7 +21,7 @@ import os
 import pickle
 import struct
 import termios
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -40,6 +40,8 @@ __all__ = [
     "MODE_STAR",
     "RESULT_ACK",
     "MaybeEncodingError",
+    "Msg",
+    "decode_msg",
     "frame_msg",
     "recv_msg",
     "send_msg",
@@ -143,16 +145,27 @@ def unread_bytes(conn: Connection) -> int | None:
         return None
 
 
-def recv_msg(conn: Connection) -> tuple[tuple[Any, ...], bytes | None, list[int]] | None:
-    """Receive one message as ``(header, blob, fds)``; ``None`` for ``EXIT``.
+Msg = tuple[tuple[Any, ...], bytes | None, list[int]] | None
+"""One received message: ``(header, blob, fds)``, or ``None`` for ``EXIT``."""
 
-    ``fds`` are the file descriptors passed with it (owned by the caller, who must close those it does not
-    hand on). Raises ``EOFError`` when the peer is gone.
+
+def decode_msg(data: bytes, next_frame: Callable[[], bytes], conn: Connection) -> Msg:
+    """Decode one message whose first frame is ``data``; ``next_frame`` reads the payload frame that follows.
+
+    ``fds`` are the file descriptors passed with it, received from ``conn`` (owned by the caller, who must
+    close those it does not hand on).
     """
-    data = conn.recv_bytes()
     if data == EXIT:
         return None
     header, blob, follows, nfds = pickle.loads(data)
     if follows:
-        blob = conn.recv_bytes()
+        blob = next_frame()
     return header, blob, (recv_fds(conn, nfds) if nfds else [])
+
+
+def recv_msg(conn: Connection) -> Msg:
+    """Receive one message as ``(header, blob, fds)``; ``None`` for ``EXIT`` (see :func:`decode_msg`).
+
+    Raises ``EOFError`` when the peer is gone.
+    """
+    return decode_msg(conn.recv_bytes(), conn.recv_bytes, conn)

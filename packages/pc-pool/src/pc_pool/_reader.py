@@ -15,21 +15,17 @@ invisible to ``poll``, so :meth:`ResultReader.drain` is called until :meth:`Resu
 from __future__ import annotations
 
 import os
-import pickle
 import select
 import struct
 from multiprocessing.connection import Connection
-from typing import Any
 
-from pc_pool._fdpass import recv_fds
-from pc_pool._protocol import EXIT, recv_msg
+from pc_pool._protocol import Msg, decode_msg, recv_msg
 
 __all__ = ["ResultReader"]
 
 _CHUNK = 1 << 16
 _LEN4 = struct.Struct("!i")
 _LEN8 = struct.Struct("!Q")
-_Msg = tuple[tuple[Any, ...], bytes | None, list[int]] | None
 
 
 class ResultReader:
@@ -55,19 +51,13 @@ class ResultReader:
         """Whether a message (or EOF) can be read now without waiting for the worker."""
         return bool(self._buf) or bool(self._poller.poll(0))
 
-    def recv(self) -> _Msg:
+    def recv(self) -> Msg:
         """Receive one message, waiting for it if needed; raises ``EOFError`` when the worker is gone."""
         if not self._bulk:
             return recv_msg(self._conn)
-        data = self._frame()
-        if data == EXIT:
-            return None
-        header, blob, follows, nfds = pickle.loads(data)
-        if follows:
-            blob = self._frame()
-        return header, blob, (recv_fds(self._conn, nfds) if nfds else [])
+        return decode_msg(self._frame(), self._frame, self._conn)
 
-    def drain(self, limit: int, out: list[_Msg]) -> None:
+    def drain(self, limit: int, out: list[Msg]) -> None:
         """Append to ``out`` the message the pipe holds (blocking for it) and every other one it holds now.
 
         Messages are appended as they arrive, so those read before an ``EOFError`` (the worker died) stay in
