@@ -1,4 +1,4 @@
-"""SyncMaster / SlavePipe / FutureResult: the thread protocol, its failures, pickling."""
+"""SyncMaster / SlavePipe: the thread protocol, its failures, pickling (FutureResult: test_sync_future.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import pickle
 import queue
 import random
 import threading
-import time
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import pytest
+from sync_threads import JOIN, Runner
 
 from pc_sync import (
     DEFAULT_SYNC_TIMEOUT,
@@ -23,124 +23,11 @@ from pc_sync import (
     SyncTimeoutError,
 )
 
-JOIN = 30.0  # generous bound on every join: "arrived rather than hung"
-
 
 def _sum_and_route(msgs: list[tuple[Hashable, Any]]) -> list[tuple[Hashable, Any]]:
     """Module-level callback (picklable): everybody gets (own id, total)."""
     total = sum(m for _, m in msgs)
     return [(ident, (ident, total)) for ident, _ in msgs]
-
-
-class _Runner:
-    """Run callables in threads; collect (value or exception) per name."""
-
-    def __init__(self) -> None:
-        self.results: dict[Hashable, Any] = {}
-        self.errors: dict[Hashable, BaseException] = {}
-        self.threads: list[threading.Thread] = []
-
-    def start(self, name: Hashable, fn: Callable[[], Any]) -> None:
-        def target() -> None:
-            try:
-                self.results[name] = fn()
-            except BaseException as exc:
-                self.errors[name] = exc
-
-        t = threading.Thread(target=target, daemon=True)
-        self.threads.append(t)
-        t.start()
-
-    def join(self, timeout: float = JOIN) -> None:
-        deadline = time.monotonic() + timeout
-        for t in self.threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        alive = [t for t in self.threads if t.is_alive()]
-        assert not alive, f"{len(alive)} thread(s) still waiting after {timeout} s"
-
-
-# ---------------------------------------------------------------------------------------------- FutureResult
-
-
-def test_future_result_keeps_order_and_none_round_trips() -> None:
-    slot, ack = FutureResult(), FutureResult()
-    values = [None, 1, "two", None, (3,), 0]
-
-    def consume() -> list[Any]:
-        got = []
-        for _ in values:
-            got.append(slot.get(timeout=JOIN))
-            ack.put(None)
-        return got
-
-    runner = _Runner()
-    runner.start("c", consume)
-    for v in values:
-        slot.put(v)
-        assert ack.get(timeout=JOIN) is None  # the slot is empty again: reusable
-    runner.join()
-    assert runner.results["c"] == values
-
-
-def test_future_result_double_put_raises() -> None:
-    slot = FutureResult()
-    slot.put(None)
-    with pytest.raises(SyncError, match="full slot"):
-        slot.put(1)
-    assert slot.get(timeout=1.0) is None
-    slot.put(2)  # reusable after a get
-    assert slot.get(timeout=1.0) == 2
-
-
-def test_future_result_spurious_notify_does_not_release_waiter() -> None:
-    slot = FutureResult()
-    runner = _Runner()
-    runner.start("g", lambda: slot.get(timeout=JOIN))
-    for _ in range(20):
-        with slot._cond:
-            slot._cond.notify_all()
-    assert "g" not in runner.results
-    assert "g" not in runner.errors
-    slot.put("real")
-    runner.join()
-    assert runner.results == {"g": "real"}
-
-
-def test_future_result_get_times_out() -> None:
-    slot = FutureResult()
-    with pytest.raises(SyncTimeoutError) as info:  # nothing is ever put: only the timeout can end the wait
-        slot.get(timeout=0.05)
-    assert isinstance(info.value, TimeoutError)
-
-
-def test_future_result_set_exception_wakes_and_sticks() -> None:
-    slot = FutureResult()
-    runner = _Runner()
-    runner.start("g", lambda: slot.get(timeout=JOIN))
-    cause = KeyError("boom")
-    slot.set_exception(cause)
-    runner.join(5.0)
-    err = runner.errors["g"]
-    assert isinstance(err, SyncAbortedError)
-    assert err.__cause__ is cause
-    slot.put(1)  # dropped: nobody can read it
-    with pytest.raises(SyncAbortedError):
-        slot.get(timeout=1.0)
-
-
-@pytest.mark.parametrize(
-    ("timeout", "exc"), [(0, ValueError), (-1.0, ValueError), (float("inf"), ValueError)]
-)
-def test_future_result_rejects_bad_timeouts(timeout: float, exc: type[Exception]) -> None:
-    with pytest.raises(exc, match="timeout"):
-        FutureResult().get(timeout=timeout)
-
-
-def test_bad_timeout_types() -> None:
-    with pytest.raises(TypeError, match="timeout must be a number"):
-        FutureResult().get(timeout="1")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="timeout must be a number"):
-        SyncMaster(_sum_and_route).run_master(1, timeout=True)
 
 
 # -------------------------------------------------------------------------------------- registration, pipes
@@ -189,7 +76,7 @@ def test_round_sees_registration_order_despite_delays_and_routes_replies() -> No
     pipes = {i: master.register_slave(i) for i in ids}
     rng = random.Random(0)
     for _ in range(10):
-        runner = _Runner()
+        runner = Runner()
         delays = {i: rng.random() * 0.01 for i in ids}
         for i in ids:
             runner.start(
@@ -206,7 +93,7 @@ def test_round_sees_registration_order_despite_delays_and_routes_replies() -> No
 def test_none_messages_and_replies() -> None:
     master = SyncMaster(lambda msgs: [(ident, None) for ident, _ in msgs])
     pipe = master.register_slave(1)
-    runner = _Runner()
+    runner = Runner()
     runner.start(1, lambda: pipe.run_slave(None, timeout=JOIN))
     assert master.run_master(None, timeout=JOIN) is None
     runner.join()
@@ -231,7 +118,7 @@ def test_thousand_rounds_eight_participants() -> None:
             assert pipe.run_slave(r + ident, timeout=JOIN) == (ident, expected_total[r])
         return True
 
-    runner = _Runner()
+    runner = Runner()
     for p in pipes:
         runner.start(p.identifier, lambda p=p: slave(p))
     for r in range(rounds):
@@ -245,7 +132,7 @@ def test_thousand_rounds_eight_participants() -> None:
 def test_registering_after_a_round_resets_registry() -> None:
     master = SyncMaster(_sum_and_route)
     pipes = [master.register_slave(i) for i in (1, 2, 3)]
-    runner = _Runner()
+    runner = Runner()
     for p in pipes:
         runner.start(p.identifier, lambda p=p: p.run_slave(1, timeout=JOIN))
     assert master.run_master(1, timeout=JOIN) == (0, 4)
@@ -253,7 +140,7 @@ def test_registering_after_a_round_resets_registry() -> None:
     # fewer slaves next time: the stale ones must not be waited for
     pipe = master.register_slave(1)
     assert master.nr_slaves == 1
-    runner = _Runner()
+    runner = Runner()
     runner.start(1, lambda: pipe.run_slave(5, timeout=JOIN))
     assert master.run_master(1, timeout=5.0) == (0, 6)
     runner.join()
@@ -263,8 +150,8 @@ def test_registering_after_a_round_resets_registry() -> None:
 # ----------------------------------------------------------------------------------------------- failures
 
 
-def _start_slaves(master: SyncMaster, ids: list[int], timeout: float = JOIN) -> _Runner:
-    runner = _Runner()
+def _start_slaves(master: SyncMaster, ids: list[int], timeout: float = JOIN) -> Runner:
+    runner = Runner()
     for i in ids:
         pipe = master.register_slave(i)
         runner.start(i, lambda pipe=pipe, i=i: pipe.run_slave(i, timeout=timeout))
@@ -389,7 +276,7 @@ def test_registration_after_abort_starts_fresh() -> None:
     master.abort(RuntimeError("x"))
     pipe = master.register_slave(1)
     assert not master.aborted
-    runner = _Runner()
+    runner = Runner()
     runner.start(1, lambda: pipe.run_slave(2, timeout=JOIN))
     assert master.run_master(1, timeout=JOIN) == (0, 3)
     runner.join()
