@@ -69,7 +69,8 @@ def interleaved_min(
 ) -> dict[str, float]:
     """Per variant, the min over ``repeat`` interleaved rounds of the mean time of ``number`` calls.
 
-    The variants run round by round, so a load drift hits them all alike. ``sync`` (e.g.
+    The variants run round by round, in reverse order every other round, so a load drift and the position
+    in a round (caches warmed or evicted by the variant before) hit them all alike. ``sync`` (e.g.
     ``torch.cuda.synchronize``) runs after the warm-up and after each variant's calls, inside the timing.
     ``clock`` is wall time by default; ``time.thread_time`` measures the CPU time of single-threaded work,
     which other processes on a shared machine do not inflate.
@@ -79,8 +80,9 @@ def interleaved_min(
     if sync is not None:
         sync()
     best = {name: float("inf") for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for r in range(repeat):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
             start = clock()
             for _ in range(number):
                 fn()

@@ -297,8 +297,14 @@ def main() -> None:
 
         case = f"no replication {label}"
         ours_bn, torch_bn = SynchronizedBatchNorm2d(shape[1]), nn.BatchNorm2d(shape[1])
+        # A second BatchNorm2d measured alike is the A/A control: outside a replica SyncBN runs the parent's
+        # forward itself, so the control's ratio is the noise floor of this comparison on this machine.
         single = interleaved_min(
-            {"ours": _step(ours_bn, x, g), "torch": _step(torch_bn, x, g)},
+            {
+                "ours": _step(ours_bn, x, g),
+                "torch": _step(torch_bn, x, g),
+                "control": _step(nn.BatchNorm2d(shape[1]), x, g),
+            },
             bn_repeat * 2,
             number=2,
             clock=time.thread_time,
@@ -306,6 +312,7 @@ def main() -> None:
         t_ours, t_torch = single["ours"], single["torch"]
         report.row(case, "SyncBN2d (train, CPU time)", t_ours)
         report.row(case, "BatchNorm2d (train, CPU time)", t_torch, baseline=True)
+        report.row(case, "a second BatchNorm2d (A/A control, CPU time)", single["control"])
         ours_bn.eval()
         torch_bn.eval()
         with torch.no_grad():
@@ -315,7 +322,17 @@ def main() -> None:
         case = f"eval {label}"
         report.row(case, "SyncBN2d (eval)", t_ours_eval)
         report.row(case, "BatchNorm2d (eval)", t_torch_eval, baseline=True)
-        report.target(f"(design) non-parallel train step vs BN, {label}", t_ours / t_torch, "<=", 1.05)
+        control = single["control"] / t_torch
+        report.target(
+            f"(design) non-parallel train step vs BN, {label}",
+            t_ours / t_torch,
+            "<=",
+            1.05,
+            note=f"outside a replica SyncBN2d runs BatchNorm2d's own forward; the A/A control (a second "
+            f"BatchNorm2d, same rounds) measured {control:.3f}x, the noise floor here"
+            if t_ours / t_torch > 1.05
+            else "",
+        )
 
         input_bytes = x.numel() * x.element_size()
         saved_ours = _saved_bytes_replica0(4, x.detach())
