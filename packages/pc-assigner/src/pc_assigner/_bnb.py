@@ -8,7 +8,8 @@ incumbent are dropped. Blocks wait on a stack (depth first, the lowest bounds on
 The bound of a partial placement (a lower bound on the cost of every completion) is::
 
     alpha * max(largest load,
-                water level: the lowest T with sum_j speed_j * max(0, T - load_j) >= remaining compute,
+                water level: the lowest T with sum_j speed_j * max(0, T - load_j) >= remaining compute
+                (with the largest load, a closed form: see _span_floor),
                 max over unplaced items k of min_j (load_j + time[k][j]))
   + beta * (traffic between placed items
             + sum over unplaced items k of min_j (traffic between k and the placed items if k went to j))
@@ -96,16 +97,18 @@ def branch_and_bound(
     rem_work = np.append(np.cumsum(work[::-1])[::-1], 0.0)  # from depth d on
     rem_size = np.append(np.cumsum(size[::-1])[::-1], 0.0)
     dist = np.array(c.dist, dtype=np.float64).reshape(m, m)
-    # push[d][j] = (n - d - 1, m): traffic cost added to each later item (placement order) at each device
-    # when the item at depth d goes to device j. ``cross`` rows likewise hold only the items not yet placed.
-    full = np.zeros((n, m, n, m), dtype=np.float64)
+    # push[d][j] = (m, n - d - 1): traffic cost added to each later item (placement order) at each device
+    # when the item at depth d goes to device j. ``cross`` rows, (m, items), likewise hold only the items not
+    # yet placed; devices come before items so that the minimum over devices is m elementwise minima (numpy
+    # reduces a short last axis an order of magnitude slower).
+    full = np.zeros((n, m, m, n), dtype=np.float64)
     for i, k, w in c.edges:
         di, dk = pos[i], pos[k]
         if di < dk:  # i placed first at j: k at q pays w * dist[j][q]
-            full[di, :, dk, :] += w * dist
+            full[di, :, :, dk] += w * dist
         elif dk < di:  # k placed first at j: i at q pays w * dist[q][j]
-            full[dk, :, di, :] += w * dist.T
-    push = [np.ascontiguousarray(full[d, :, d + 1 :, :]) for d in range(n)]
+            full[dk, :, :, di] += w * dist.T
+    push = [np.ascontiguousarray(full[d, :, :, d + 1 :]) for d in range(n)]
     # Every item's times are its compute over the same speeds, so the unplaced item that raises
     # min_j (load_j + time_j) most is the one with the most compute: its row per depth.
     heaviest_after = [time[d + 1 + int(np.argmax(work[d + 1 :]))] if d + 1 < n else time[d] for d in range(n)]
@@ -128,7 +131,7 @@ def branch_and_bound(
             np.zeros((1, m)),
             np.zeros((1, m)),
             np.zeros(1),
-            np.zeros((1, n, m)),
+            np.zeros((1, m, n)),
             np.zeros((1, m), dtype=bool),
         )
     ]
@@ -141,8 +144,9 @@ def branch_and_bound(
             return BnbResult(best_a, best, False, nodes)
         # children: row r * m + j is parent r with the item at this depth on device j
         c_mem = (mem[:, None, :] + eye_s[depth][None]).reshape(b * m, m)
-        ok = (c_mem <= cap).all(axis=1)
-        ok &= np.clip(cap - c_mem, 0.0, None).sum(axis=1) >= rem_size[depth + 1] * (1 - 1e-12)
+        room = cap - c_mem
+        ok = _rows_all_nonneg(room)
+        ok &= _row_sum(np.clip(room, 0.0, None)) >= rem_size[depth + 1] * (1 - 1e-12)
         if symmetric:
             allowed = np.ones((b, m), dtype=bool)
             for j, p in enumerate(prev_in_class):
@@ -155,8 +159,8 @@ def branch_and_bound(
         parent, dev = keep // m, keep % m
         c_loads = loads[parent] + eye_t[depth][dev]
         c_mem = c_mem[keep]
-        c_comm = comm[parent] + cross[parent, 0, dev]
-        span = c_loads.max(axis=1)
+        c_comm = comm[parent] + cross[parent, dev, 0]
+        span = _row_max(c_loads)
         if depth + 1 == n:
             total = alpha * span + beta * c_comm
             row = int(np.argmin(total))
@@ -168,18 +172,24 @@ def branch_and_bound(
                     a[item] = placed[d]
                 best_a = tuple(a)
             continue
-        c_cross = cross[parent, 1:] + push[depth][dev]
-        bound = beta * (c_comm + c_cross.min(axis=2).sum(axis=1)) if beta else np.zeros(span.shape)
+        c_cross = cross[parent, :, 1:] + push[depth][dev]
+        if beta:
+            least = c_cross[:, 0].copy()
+            for j in range(1, m):
+                np.minimum(least, c_cross[:, j], out=least)
+            bound = beta * (c_comm + least @ np.ones(least.shape[1]))
+        else:
+            bound = np.zeros(span.shape)
         span_lb = np.maximum(
-            np.maximum(span, _water_level(c_loads, spd, float(rem_work[depth + 1]))),
-            (c_loads + heaviest_after[depth]).min(axis=1),
+            _span_floor(c_loads, spd, float(rem_work[depth + 1])),
+            _row_min(c_loads + heaviest_after[depth]),
         )
         curve = knap[depth]
         if alpha and curve is not None:
             room = np.clip(cap - c_mem, 0.0, None)
-            forced = np.clip(rem_size[depth + 1] - (room.sum(axis=1, keepdims=True) - room), 0.0, None)
+            forced = np.clip(rem_size[depth + 1] - (_row_sum(room)[:, None] - room), 0.0, None)
             xs, ys = curve
-            span_lb = np.maximum(span_lb, (c_loads + np.interp(forced, xs, ys) / spd).max(axis=1))
+            span_lb = np.maximum(span_lb, _row_max(c_loads + np.interp(forced, xs, ys) / spd))
         bound = bound + alpha * span_lb
         sel = np.flatnonzero(bound < _below(best))
         if sel.size == 0:
@@ -227,18 +237,52 @@ def _least_work_curve(
     return xs, ys
 
 
-def _water_level(loads: _F, speeds: _F, work: float) -> _F:
-    """Per row, the lowest T with ``sum_j speeds[j] * max(0, T - loads[j]) >= work`` (compute divisible).
+def _row_max(x: _F) -> _F:
+    """``x.max(axis=1)`` for a (rows, m) array, as m - 1 elementwise maxima (faster for a short axis)."""
+    out = x[:, 0].copy()
+    for j in range(1, x.shape[1]):
+        np.maximum(out, x[:, j], out=out)
+    return out
 
-    Filling the devices loaded at most as much as device j to one level gives a level T_j; every T_j is at
-    least the true level and one of them equals it (j the busiest device below the level), so the true level
-    is the smallest T_j. Without a sort: m is small, so the (rows, m, m) comparison is cheaper.
+
+def _row_min(x: _F) -> _F:
+    """``x.min(axis=1)`` for a (rows, m) array, as m - 1 elementwise minima."""
+    out = x[:, 0].copy()
+    for j in range(1, x.shape[1]):
+        np.minimum(out, x[:, j], out=out)
+    return out
+
+
+def _row_sum(x: _F) -> _F:
+    """``x.sum(axis=1)`` for a (rows, m) array, as m - 1 elementwise additions."""
+    out = x[:, 0].copy()
+    for j in range(1, x.shape[1]):
+        out += x[:, j]
+    return out
+
+
+def _rows_all_nonneg(x: _F) -> _B:
+    """``(x >= 0).all(axis=1)`` for a (rows, m) array."""
+    out = x[:, 0] >= 0
+    for j in range(1, x.shape[1]):
+        out &= x[:, j] >= 0
+    return out
+
+
+def _span_floor(loads: _F, speeds: _F, work: float) -> _F:
+    """Per row, ``max(largest load, water level)``: a lower bound on the makespan once ``work`` more is placed.
+
+    The water level is the lowest T with ``f(T) = sum_j speeds[j] * max(0, T - loads[j]) >= work`` (compute
+    divisible). Its maximum with the largest load L has a closed form: let ``A = (work + sum_j speeds[j] *
+    loads[j]) / sum_j speeds[j]``, the level if every device were filled. If ``A >= L``, then ``f(A) = work``
+    and ``f(T) < work`` for every ``T < A``, so the level is A. If ``A < L``, then ``f(L) = sum_j speeds[j] *
+    (L - loads[j]) > work``, so the level is below L. Either way the maximum is ``max(L, A)``: two passes over
+    the rows instead of a sort per row.
     """
-    if work <= 0:
-        low: _F = loads.min(axis=1)
-        return low
-    below = loads[:, None, :] <= loads[:, :, None]  # below[r, j, i]: device i is loaded at most as device j
-    s_sum = below @ speeds
-    sl_sum = (below * (speeds * loads)[:, None, :]).sum(axis=2)
-    level: _F = ((work + sl_sum) / s_sum).min(axis=1)
-    return level
+    m = loads.shape[1]
+    span = _row_max(loads)
+    filled = np.full(loads.shape[0], work)
+    for j in range(m):
+        filled += float(speeds[j]) * loads[:, j]
+    out: _F = np.maximum(span, filled / float(speeds.sum()))
+    return out
