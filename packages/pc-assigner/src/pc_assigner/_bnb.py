@@ -97,18 +97,25 @@ def branch_and_bound(
     rem_work = np.append(np.cumsum(work[::-1])[::-1], 0.0)  # from depth d on
     rem_size = np.append(np.cumsum(size[::-1])[::-1], 0.0)
     dist = np.array(c.dist, dtype=np.float64).reshape(m, m)
-    # push[d][j] = (m, n - d - 1): traffic cost added to each later item (placement order) at each device
-    # when the item at depth d goes to device j. ``cross`` rows, (m, items), likewise hold only the items not
-    # yet placed; devices come before items so that the minimum over devices is m elementwise minima (numpy
-    # reduces a short last axis an order of magnitude slower).
+    # The traffic bound looks only at the *frontier*: front[d], the items at depth >= d (placement order) with
+    # an edge to an item at depth < d; any other unplaced item has no traffic with the placed ones yet. A
+    # block at depth d holds ``cross`` of shape (rows, m, len(front[d])): per device, each frontier item's
+    # traffic cost to the placed items if it went there (devices before items, so that the minimum over
+    # devices is m elementwise minima: numpy reduces a short last axis an order of magnitude slower).
+    # push[d] (m, m, len(front[d + 1])): the cost added to each next-frontier item at each device when the
+    # item at depth d goes to device j.
     full = np.zeros((n, m, m, n), dtype=np.float64)
+    first_link = [n] * n  # the smallest depth an item has an edge with
     for i, k, w in c.edges:
         di, dk = pos[i], pos[k]
+        first_link[di], first_link[dk] = min(first_link[di], dk), min(first_link[dk], di)
         if di < dk:  # i placed first at j: k at q pays w * dist[j][q]
             full[di, :, :, dk] += w * dist
         elif dk < di:  # k placed first at j: i at q pays w * dist[q][j]
             full[dk, :, :, di] += w * dist.T
-    push = [np.ascontiguousarray(full[d, :, :, d + 1 :]) for d in range(n)]
+    front = [np.array([k for k in range(d, n) if first_link[k] < d], dtype=np.int64) for d in range(n + 1)]
+    push = [np.ascontiguousarray(full[d][:, :, front[d + 1]]) for d in range(n)]
+    steps = [_frontier_step(front[d], front[d + 1], d) for d in range(n)]
     # Every item's times are its compute over the same speeds, so the unplaced item that raises
     # min_j (load_j + time_j) most is the one with the most compute: its row per depth.
     heaviest_after = [time[d + 1 + int(np.argmax(work[d + 1 :]))] if d + 1 < n else time[d] for d in range(n)]
@@ -131,7 +138,7 @@ def branch_and_bound(
             np.zeros((1, m)),
             np.zeros((1, m)),
             np.zeros(1),
-            np.zeros((1, m, n)),
+            np.zeros((1, m, 0)),
             np.zeros((1, m), dtype=bool),
         )
     ]
@@ -153,51 +160,57 @@ def branch_and_bound(
                 if p >= 0:
                     allowed[:, j] = used[:, p]
             ok &= allowed.reshape(b * m)
-        keep = np.flatnonzero(ok)
-        if keep.size == 0:
+        if not bool(ok.any()):
             continue
-        parent, dev = keep // m, keep % m
-        c_loads = loads[parent] + eye_t[depth][dev]
-        c_mem = c_mem[keep]
-        c_comm = comm[parent] + cross[parent, dev, 0]
+        # every child is bounded by broadcasting over (parent, device); only the survivors are gathered
+        c_loads = (loads[:, None, :] + eye_t[depth][None]).reshape(b * m, m)
+        own, src, dst, same = steps[depth]
+        c_comm = (comm[:, None] + cross[:, :, own] if own >= 0 else np.repeat(comm[:, None], m, 1)).reshape(-1)
         span = _row_max(c_loads)
         if depth + 1 == n:
-            total = alpha * span + beta * c_comm
+            total = np.where(ok, alpha * span + beta * c_comm, math.inf)
             row = int(np.argmin(total))
             if float(total[row]) < _below(best):
                 best = float(total[row])
-                placed = [*prefix[int(parent[row])].tolist(), int(dev[row])]
+                placed = [*prefix[row // m].tolist(), row % m]
                 a = [0] * n
                 for d, item in enumerate(order):
                     a[item] = placed[d]
                 best_a = tuple(a)
             continue
-        c_cross = cross[parent, :, 1:] + push[depth][dev]
-        if beta:
-            least = c_cross[:, 0].copy()
-            for j in range(1, m):
-                np.minimum(least, c_cross[:, j], out=least)
-            bound = beta * (c_comm + least @ np.ones(least.shape[1]))
+        if same:
+            inherit = cross[:, :, src]
         else:
-            bound = np.zeros(span.shape)
+            inherit = np.zeros((b, m, push[depth].shape[2]))
+            inherit[:, :, dst] = cross[:, :, src]
+        c_cross = inherit[:, None] + push[depth][None]  # (parent, device, device of a frontier item, item)
+        if beta and c_cross.shape[3]:
+            least = c_cross[:, :, 0].copy()
+            for q in range(1, m):
+                np.minimum(least, c_cross[:, :, q], out=least)
+            bound = beta * (c_comm + least.reshape(b * m, -1) @ np.ones(least.shape[2]))
+        else:
+            bound = beta * c_comm
         span_lb = np.maximum(
             _span_floor(c_loads, spd, float(rem_work[depth + 1])),
             _row_min(c_loads + heaviest_after[depth]),
         )
         curve = knap[depth]
         if alpha and curve is not None:
-            room = np.clip(cap - c_mem, 0.0, None)
+            room = np.clip(room, 0.0, None)
             forced = np.clip(rem_size[depth + 1] - (_row_sum(room)[:, None] - room), 0.0, None)
             xs, ys = curve
             span_lb = np.maximum(span_lb, _row_max(c_loads + np.interp(forced, xs, ys) / spd))
-        bound = bound + alpha * span_lb
+        bound = np.where(ok, bound + alpha * span_lb, math.inf)
         sel = np.flatnonzero(bound < _below(best))
         if sel.size == 0:
             continue
         sel = sel[np.argsort(-bound[sel], kind="stable")]  # the lowest bounds are pushed last, popped first
-        c_prefix = np.concatenate([prefix[parent[sel]], dev[sel, None]], axis=1)
-        c_used = used[parent[sel]]
-        c_used[np.arange(sel.size), dev[sel]] = True
+        parent, dev = sel // m, sel % m
+        c_prefix = np.concatenate([prefix[parent], dev[:, None]], axis=1)
+        c_used = used[parent]
+        c_used[np.arange(sel.size), dev] = True
+        c_cross = c_cross.reshape(b * m, m, -1)[sel]
         for start in range(0, sel.size, _BLOCK):
             part = slice(start, start + _BLOCK)
             rows = sel[part]
@@ -208,11 +221,34 @@ def branch_and_bound(
                     c_loads[rows],
                     c_mem[rows],
                     c_comm[rows],
-                    c_cross[rows],
+                    c_cross[part],
                     c_used[part],
                 )
             )
     return BnbResult(best_a, best, True, nodes)
+
+
+def _frontier_step(
+    here: npt.NDArray[np.int64], after: npt.NDArray[np.int64], depth: int
+) -> tuple[int, npt.NDArray[np.int64] | slice, npt.NDArray[np.int64], bool]:
+    """How a block's frontier columns at ``depth`` become its children's.
+
+    Returns:
+        ``(own, src, dst, same)``: the column of the item placed at ``depth`` (-1 if it has no traffic with
+        the placed items), the columns ``src`` that carry over and their places ``dst`` among the children's
+        columns, and whether they carry over as they are (``src`` then selects every child column in order).
+    """
+    where = {int(k): col for col, k in enumerate(here.tolist())}
+    own = where.pop(depth, -1)
+    later = {int(k): col for col, k in enumerate(after.tolist())}
+    src = np.array(list(where.values()), dtype=np.int64)
+    dst = np.array([later[k] for k in where], dtype=np.int64)
+    if dst.size == after.size and bool((dst == np.arange(dst.size)).all()):
+        start = int(src[0]) if src.size else 0
+        if bool((src == np.arange(start, start + src.size)).all()):
+            return own, slice(start, start + src.size), dst, True
+        return own, src, dst, True
+    return own, src, dst, False
 
 
 def _below(best: float) -> float:
