@@ -59,8 +59,8 @@ class BnbResult:
 
 _F = npt.NDArray[np.float64]
 _B = npt.NDArray[np.bool_]
-# depth, prefixes, loads, memory, traffic, cross, devices used
-_Block = tuple[int, npt.NDArray[np.int64], _F, _F, _F, _F, _B]
+# depth, prefixes, loads, memory, traffic, cross, devices used, bounds
+_Block = tuple[int, npt.NDArray[np.int64], _F, _F, _F, _F, _B, _F]
 
 
 def branch_and_bound(
@@ -140,11 +140,17 @@ def branch_and_bound(
             np.zeros(1),
             np.zeros((1, m, 0)),
             np.zeros((1, m), dtype=bool),
+            np.zeros(1),
         )
     ]
     nodes = 0
     while stack:
-        depth, prefix, loads, mem, comm, cross, used = stack.pop()
+        depth, prefix, loads, mem, comm, cross, used, lb = stack.pop()
+        live = lb < _below(best)  # the incumbent may have improved since the block was pushed
+        if not bool(live.all()):
+            if not bool(live.any()):
+                continue
+            prefix, loads, mem, comm, cross, used = (x[live] for x in (prefix, loads, mem, comm, cross, used))
         b = prefix.shape[0]
         nodes += b * m
         if nodes > node_budget:
@@ -223,6 +229,7 @@ def branch_and_bound(
                     c_comm[rows],
                     c_cross[part],
                     c_used[part],
+                    bound[rows],
                 )
             )
     return BnbResult(best_a, best, True, nodes)
