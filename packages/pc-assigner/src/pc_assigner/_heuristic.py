@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 from pc_assigner._core import Compiled, traffic_order
+from pc_assigner._local import VECTOR_MIN_N, vector_local_search
 from pc_assigner.problem import fits
 
 __all__ = ["default_restarts", "first_feasible", "greedy", "heuristic_search", "local_search", "repair"]
@@ -72,8 +73,11 @@ def local_search(c: Compiled, a: list[int]) -> list[int]:
 
     A candidate is priced in O(degree) without copying the loads: the new makespan is the larger of the two
     changed devices and the largest untouched one (read from the devices sorted by load, refreshed after
-    every accepted step), and the secondary objective changes by the two devices' squares only.
+    every accepted step), and the secondary objective changes by the two devices' squares only. From
+    ``VECTOR_MIN_N`` items on, the same steps are priced with numpy (:mod:`pc_assigner._local`).
     """
+    if c.n >= VECTOR_MIN_N and c.m > 1:
+        return vector_local_search(c, a)
     s = _State(c, a)
     m, n = c.m, c.n
     time, size, cap, alpha, beta = c.time, c.size, c.cap, c.alpha, c.beta
