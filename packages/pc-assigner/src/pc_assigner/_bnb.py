@@ -34,7 +34,7 @@ __all__ = ["DEFAULT_NODE_BUDGET", "BnbResult", "branch_and_bound"]
 DEFAULT_NODE_BUDGET = 100_000
 """Children bounded before the search gives up its proof and returns the incumbent."""
 
-_BLOCK = 256  # partial placements expanded together: small blocks dive deep sooner
+_BLOCK = 512  # partial placements expanded together: small blocks dive deep sooner
 
 
 class BnbResult:

@@ -179,6 +179,38 @@ def greedy(c: Compiled, order: list[int] | None = None) -> list[int] | None:
     return a
 
 
+def segments(c: Compiled, order: list[int]) -> list[int] | None:
+    """Cut ``order`` into consecutive runs, one per device, of about equal time: a start that cuts few edges.
+
+    Devices are filled in index order up to the balanced time ``sum(compute) / sum(speeds)``; an item goes
+    to the next device when it would overshoot the level by more than half its own time there, or does not
+    fit. Where items keep traffic local in ``order`` (a chain of layers in index order, or
+    :func:`~pc_assigner._core.traffic_order`), only the edges between runs are cut; local search then
+    balances the times.
+
+    Returns:
+        A feasible assignment, or ``None`` when the runs do not fit the memory.
+    """
+    ref = max(c.time, key=lambda row: row[0], default=())  # time[i][j] = compute_i / speed_j
+    rel = sum(ref[0] / t for t in ref) if ref and ref[0] > 0 else 1.0  # sum of speeds / speed of device 0
+    level = sum(row[0] for row in c.time) / rel  # in device 0's time: the same level on every device
+    a = [-1] * c.n
+    loads = [0.0] * c.m
+    mem = [0.0] * c.m
+    j = 0
+    for i in order:
+        while j < c.m - 1 and (
+            loads[j] + c.time[i][j] / 2 > level or not fits(mem[j] + c.size[i], c.cap[j])
+        ):
+            j += 1
+        if not fits(mem[j] + c.size[i], c.cap[j]):
+            return None
+        a[i] = j
+        loads[j] += c.time[i][j]
+        mem[j] += c.size[i]
+    return a
+
+
 def repair(c: Compiled, a: list[int]) -> list[int] | None:
     """Move and swap items to remove memory overflow; returns a feasible assignment or ``None``."""
     a = list(a)
@@ -280,9 +312,11 @@ def heuristic_search(c: Compiled, *, seed: int = 0, restarts: int | None = None)
     best_cost = c.cost(best)
     if c.m == 1:
         return best
-    if c.edges:  # a second start that keeps neighbours together
-        local = greedy(c, traffic_order(c))
-        if local is not None:
+    if c.edges:  # starts that keep neighbours together: greedy in traffic order, runs in two orders
+        order = traffic_order(c)
+        for local in (greedy(c, order), segments(c, list(range(c.n))), segments(c, order)):
+            if local is None:
+                continue
             local = local_search(c, local)
             value = c.cost(local)
             if value < best_cost - abs(best_cost) * 1e-12:

@@ -15,7 +15,7 @@ and lowers the sum of squared device times). What changes is the price of a cand
 
 Candidates are priced a block of rows at a time (items i for moves, pairs (i, k) for swaps), and the first
 improving one in the sequential order is taken; after a step the scan resumes right after it with a block of
-one row, and the block doubles (to 64 rows) while none improves. So a pass costs O(n / 64 + steps) vector
+8 rows, and the block doubles (to 64 rows) while none improves. So a pass costs O(n / 64 + steps) vector
 operations over up to 64 x n candidates instead of n^2 / 2 Python steps. Rounding can differ from
 the pure-Python sums in the last bits, so the two may part ways at an exact tie; each is deterministic.
 """
@@ -36,6 +36,7 @@ pure-Python loop is faster: the vectors are too short to pay for numpy's per-cal
 
 _MAX_PASSES = 200  # as in _heuristic: a safety bound
 _MAX_BLOCK = 64  # rows of candidates priced together while none improves
+_RESUME_BLOCK = 8  # rows priced after a step (a call's fixed cost outweighs a few rows' candidates)
 
 _F = npt.NDArray[np.float64]
 _I = npt.NDArray[np.int64]
@@ -81,8 +82,7 @@ class _Search:
             self.g[i] += w * dist[:, asg[k]]
             self.g[k] += w * dist[asg[i], :]
         self.comm = float(sum(w * dist[asg[i], asg[k]] for i, k, w in c.edges))
-        grid = np.arange(m)
-        self.gx, self.gy = np.meshgrid(grid, grid, indexing="ij")
+        self.devices = np.arange(m)
 
     def move(self, x: int, dst: int) -> None:
         """Put item x on ``dst``, updating times, memory and the traffic table (not ``comm``)."""
@@ -101,16 +101,12 @@ class _Search:
 
     def rest(self) -> _F:
         """``rest[x, y]``: the largest device time among devices other than x and y (0 when none)."""
-        loads, m = self.loads, self.m
-        top = np.argsort(-loads, kind="stable")[:3]
-        vals = [float(loads[j]) for j in top] + [0.0] * (3 - top.size)
-        t0 = top[0]
-        t1 = top[1] if top.size > 1 else -1
-        out = np.full((m, m), vals[0])
-        hit0 = (self.gx == t0) | (self.gy == t0)
-        out[hit0] = vals[1]
-        out[hit0 & ((self.gx == t1) | (self.gy == t1))] = vals[2]
-        return out
+        loads = self.loads.tolist()
+        top = sorted(range(self.m), key=loads.__getitem__, reverse=True)[:3]
+        table = [
+            [next((loads[j] for j in top if j != x and j != y), 0.0) for y in range(self.m)] for x in range(self.m)
+        ]
+        return np.array(table)
 
     def better(self, new_cost: _F, dsq: _F, cost: float) -> _B:
         """A lower cost, or the same cost and a lower sum of squared loads (by more than rounding)."""
@@ -130,7 +126,7 @@ class _Search:
         if self.beta:
             new_cost = new_cost + self.beta * (self.comm + dcomm)
         dsq = ls * ls + ld * ld - (loads[src] ** 2)[:, None] - (loads**2)[None, :]
-        ok = (self.gy[0][None, :] != src[:, None]) & (self.mem[None, :] + self.size[r][:, None] <= self.room)
+        ok = (self.devices[None, :] != src[:, None]) & (self.mem[None, :] + self.size[r][:, None] <= self.room)
         ok[0, :d0] = False
         ok &= self.better(new_cost, dsq, cost)
         return ok, new_cost, dcomm
@@ -191,7 +187,7 @@ def vector_local_search(c: Compiled, a: list[int]) -> list[int]:
                     s.move(r, col)
                 s.comm += float(dcomm[t, col]) if s.beta else 0.0
                 cost, improved = float(new_cost[t, col]), True
-                i, col, block = r, col + 1, 1  # resume right after the step, as the sequential loop would
+                i, col, block = r, col + 1, _RESUME_BLOCK  # resume right after the step, as in the loop
         if not improved:
             break
     return [int(j) for j in s.asg]
