@@ -150,7 +150,8 @@ def branch_and_bound(
         if not bool(live.all()):
             if not bool(live.any()):
                 continue
-            prefix, loads, mem, comm, cross, used = (x[live] for x in (prefix, loads, mem, comm, cross, used))
+            prefix, used = prefix[live], used[live]
+            loads, mem, comm, cross = loads[live], mem[live], comm[live], cross[live]
         b = prefix.shape[0]
         nodes += b * m
         if nodes > node_budget:
@@ -171,7 +172,8 @@ def branch_and_bound(
         # every child is bounded by broadcasting over (parent, device); only the survivors are gathered
         c_loads = (loads[:, None, :] + eye_t[depth][None]).reshape(b * m, m)
         own, src, dst, same = steps[depth]
-        c_comm = (comm[:, None] + cross[:, :, own] if own >= 0 else np.repeat(comm[:, None], m, 1)).reshape(-1)
+        gain = cross[:, :, own] if own >= 0 else np.zeros((b, m))  # the placed item's traffic, per device
+        c_comm = (comm[:, None] + gain).reshape(-1)
         span = _row_max(c_loads)
         if depth + 1 == n:
             total = np.where(ok, alpha * span + beta * c_comm, math.inf)
@@ -282,7 +284,7 @@ def _least_work_curve(
 
 def _row_max(x: _F) -> _F:
     """``x.max(axis=1)`` for a (rows, m) array, as m - 1 elementwise maxima (faster for a short axis)."""
-    out = x[:, 0].copy()
+    out: _F = x[:, 0].copy()
     for j in range(1, x.shape[1]):
         np.maximum(out, x[:, j], out=out)
     return out
@@ -290,7 +292,7 @@ def _row_max(x: _F) -> _F:
 
 def _row_min(x: _F) -> _F:
     """``x.min(axis=1)`` for a (rows, m) array, as m - 1 elementwise minima."""
-    out = x[:, 0].copy()
+    out: _F = x[:, 0].copy()
     for j in range(1, x.shape[1]):
         np.minimum(out, x[:, j], out=out)
     return out
@@ -298,7 +300,7 @@ def _row_min(x: _F) -> _F:
 
 def _row_sum(x: _F) -> _F:
     """``x.sum(axis=1)`` for a (rows, m) array, as m - 1 elementwise additions."""
-    out = x[:, 0].copy()
+    out: _F = x[:, 0].copy()
     for j in range(1, x.shape[1]):
         out += x[:, j]
     return out
@@ -313,7 +315,7 @@ def _rows_all_nonneg(x: _F) -> _B:
 
 
 def _span_floor(loads: _F, speeds: _F, work: float) -> _F:
-    """Per row, ``max(largest load, water level)``: a lower bound on the makespan once ``work`` more is placed.
+    """Per row, ``max(largest load, water level)``: a makespan lower bound once ``work`` more is placed.
 
     The water level is the lowest T with ``f(T) = sum_j speeds[j] * max(0, T - loads[j]) >= work`` (compute
     divisible). Its maximum with the largest load L has a closed form: let ``A = (work + sum_j speeds[j] *

@@ -2,7 +2,8 @@
 
 The LP relaxation of :mod:`pc_assigner._ilp` is weak where traffic matters: an item split evenly over the
 devices lies "with" every neighbour split the same way, so it charges no edge, and on most instances its
-optimum is the balanced makespan alone. Fixing a few items integrally takes that freedom away from their edges.
+optimum is the balanced makespan alone. Fixing a few items integrally takes that freedom away from their
+edges.
 For a set H of *hub* items (those with the most traffic)::
 
     bound = min over placements p of H of  LP(items of H fixed where p puts them)
@@ -35,8 +36,10 @@ __all__ = ["hub_items", "hub_lower_bound"]
 
 
 def hub_items(c: Compiled, hubs: int) -> list[int]:
-    """The ``hubs`` items with the most traffic (sent plus received; ties: lower index), traffic-free ones left
-    out."""
+    """The ``hubs`` items with the most traffic (sent plus received; ties: lower index).
+
+    Items without traffic are never hubs.
+    """
     weight = [0.0] * c.n
     for i, k, w in c.edges:
         weight[i] += w
@@ -73,5 +76,7 @@ def hub_lower_bound(c: Compiled, hubs: int = 2) -> float:
         if value is not None:
             best = min(best, value)
     if math.isinf(best):
-        raise ValueError("no placement fits the memory limits: every placement of the hub items is infeasible")
+        raise ValueError(
+            "no placement fits the memory limits: every placement of the hub items is infeasible"
+        )
     return max(base, best)

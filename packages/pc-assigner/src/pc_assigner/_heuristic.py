@@ -199,9 +199,7 @@ def segments(c: Compiled, order: list[int]) -> list[int] | None:
     mem = [0.0] * c.m
     j = 0
     for i in order:
-        while j < c.m - 1 and (
-            loads[j] + c.time[i][j] / 2 > level or not fits(mem[j] + c.size[i], c.cap[j])
-        ):
+        while j < c.m - 1 and (loads[j] + c.time[i][j] / 2 > level or not fits(mem[j] + c.size[i], c.cap[j])):
             j += 1
         if not fits(mem[j] + c.size[i], c.cap[j]):
             return None

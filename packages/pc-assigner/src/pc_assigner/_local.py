@@ -1,5 +1,4 @@
-"""Local search for large problems: the moves and swaps of :func:`~pc_assigner._heuristic.local_search`, priced
-with numpy.
+"""Local search for large problems: the steps of ``_heuristic.local_search``, priced with numpy.
 
 The steps, their order and the acceptance rule are those of the pure-Python search (first improvement: moves
 over items then devices, then swaps over pairs ``i < k``; a step is taken when it lowers the cost, or keeps it
@@ -104,7 +103,8 @@ class _Search:
         loads = self.loads.tolist()
         top = sorted(range(self.m), key=loads.__getitem__, reverse=True)[:3]
         table = [
-            [next((loads[j] for j in top if j != x and j != y), 0.0) for y in range(self.m)] for x in range(self.m)
+            [next((loads[j] for j in top if j != x and j != y), 0.0) for y in range(self.m)]
+            for x in range(self.m)
         ]
         return np.array(table)
 
@@ -115,7 +115,11 @@ class _Search:
         return lower
 
     def moves(self, i: int, d0: int, block: int, cost: float) -> tuple[_B, _F, _F]:
-        """Improving moves of items ``i .. i + block - 1`` (devices >= d0 for item i): mask, costs, traffic."""
+        """Improving moves of items ``i .. i + block - 1`` (devices >= d0 for item i).
+
+        Returns:
+            The mask of improving moves, their costs and their changes of traffic, (rows, devices).
+        """
         r = self.rows[i : i + block]
         src = self.asg[r]
         loads, time = self.loads, self.time
@@ -126,7 +130,9 @@ class _Search:
         if self.beta:
             new_cost = new_cost + self.beta * (self.comm + dcomm)
         dsq = ls * ls + ld * ld - (loads[src] ** 2)[:, None] - (loads**2)[None, :]
-        ok = (self.devices[None, :] != src[:, None]) & (self.mem[None, :] + self.size[r][:, None] <= self.room)
+        ok = (self.devices[None, :] != src[:, None]) & (
+            self.mem[None, :] + self.size[r][:, None] <= self.room
+        )
         ok[0, :d0] = False
         ok &= self.better(new_cost, dsq, cost)
         return ok, new_cost, dcomm
@@ -164,7 +170,7 @@ def _arrays(edges: list[tuple[int, float]]) -> tuple[_I, _F]:
 def vector_local_search(c: Compiled, a: list[int]) -> list[int]:
     """First-improvement moves and swaps from a feasible ``a`` until no step improves; returns a new list."""
     s = _Search(c, a)
-    n, m = s.n, s.m
+    n = s.n
     for _ in range(_MAX_PASSES):
         cost = s.alpha * float(s.loads.max()) + s.beta * s.comm
         improved = False
