@@ -179,3 +179,44 @@ def test_hub_bound_is_below_the_stored_proven_optima() -> None:
         assert bound <= rec["cost"] * (1 + 1e-6), rec["name"]
         checked += 1
     assert checked >= 15
+
+
+def test_blended_order_puts_heavy_items_before_light_neighbours() -> None:
+    from pc_assigner._core import traffic_order
+
+    p = PlacementProblem(
+        sizes=(1,) * 4,
+        compute=(5, 1, 1, 4),
+        capacities=(10, 10),
+        speeds=(1, 1),
+        distance=((0, 1), (1, 0)),
+        traffic={(0, 1): 2.0, (1, 2): 2.0, (2, 3): 0.5},
+    )
+    c = compile_problem(p)
+    assert traffic_order(c) == [0, 1, 2, 3]  # neighbours first: 1 (pull 2), then 2 (pull 2)
+    assert traffic_order(c, blend=True) == [0, 3, 1, 2]  # 3 weighs 4 > 1's 1 + 2
+
+
+def test_branch_and_bound_second_order_still_proves_the_optimum() -> None:
+    """With the first order's round cut to a few children, the second order must finish the proof."""
+    from pc_assigner import _bnb
+
+    rng = random.Random(23)
+    second_used = 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_bnb, "_FIRST_ROUND", 8)
+        for trial in range(20):
+            p = random_problem(rng, rng.randint(4, 7), rng.randint(2, 3), rng.choice([0.9, 1.2]), False)
+            ref = brute_force(p)
+            if ref is None:
+                continue
+            c = compile_problem(p)
+            speeds = tuple(p.effective_speeds[j] for j in c.devices)
+            res = _bnb.branch_and_bound(c, speeds, None)
+            assert res.proven, trial
+            assert res.cost == pytest.approx(ref[0], rel=1e-9), trial
+            second_used += res.nodes > 8
+            cut = _bnb.branch_and_bound(c, speeds, None, node_budget=5)
+            assert not cut.proven
+            assert cut.nodes >= 5
+    assert second_used >= 10
