@@ -124,15 +124,29 @@ def test_branch_and_bound_out_of_budget_is_feasible_and_not_called_optimal() -> 
         solve_placement(p, node_budget=0)
 
 
-def test_water_level_is_the_lowest_level_that_takes_the_work() -> None:
-    from pc_assigner._bnb import _water_level
+def test_span_floor_is_the_largest_load_or_the_water_level() -> None:
+    from pc_assigner._bnb import _span_floor
 
-    loads = np.array([[0.0, 2.0, 10.0], [5.0, 5.0, 5.0]])
+    loads = np.array([[0.0, 2.0, 10.0], [5.0, 5.0, 5.0], [0.0, 2.0, 3.0]])
     speeds = np.array([1.0, 2.0, 1.0])
-    level = _water_level(loads, speeds, 8.0)
-    # row 0: T = 4 fills device 0 with 4 and device 1 with 2 * 2 = 4; device 2 is above the level
+    # row 0: the water level is 4 (device 0 takes 4, device 1 takes 2 * 2), below the largest load 10
     # row 1: 8 more work over speeds summing to 4 raises every device by 2
-    assert level.tolist() == pytest.approx([4.0, 7.0])
+    # row 2: every device fills: (8 + 0 + 4 + 3) / 4
+    assert _span_floor(loads, speeds, 8.0).tolist() == pytest.approx([10.0, 7.0, 3.75])
+
+    def level_by_bisection(row: np.ndarray, work: float) -> float:
+        lo, hi = 0.0, float(row.max()) + work / float(speeds.min())
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if (speeds * np.clip(mid - row, 0, None)).sum() >= work else (mid, hi)
+        return hi
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        row = rng.uniform(0, 10, size=3) * (rng.random(3) < 0.8)
+        work = float(rng.uniform(0, 20))
+        want = max(float(row.max()), level_by_bisection(row, work))
+        assert _span_floor(row[None, :], speeds, work)[0] == pytest.approx(want, rel=1e-9, abs=1e-9)
 
 
 def test_heuristic_feasible_whenever_a_placement_exists_and_close_to_optimal() -> None:

@@ -123,11 +123,13 @@ def _interchangeable(c: Compiled, a: int, b: int) -> bool:
     )
 
 
-def traffic_order(c: Compiled) -> list[int]:
+def traffic_order(c: Compiled, *, blend: bool = False) -> list[int]:
     """Items in an order that keeps traffic local.
 
     The heaviest item comes first, then always the item with the most traffic to those already listed (ties:
-    the heavier, then the lower index).
+    the heavier, then the lower index). With ``blend``, the next item is the one with the largest sum of its
+    weight (largest time) and its traffic to those listed instead: heavy items come earlier, which lets a
+    makespan bound bite sooner, while traffic still pulls neighbours along.
 
     Branch and bound places items in this order (edges are decided early, so its traffic bound bites), and the
     heuristic's second greedy start uses it (neighbours land on one device before balancing splits them).
@@ -141,7 +143,10 @@ def traffic_order(c: Compiled) -> list[int]:
     placed = [False] * c.n
     pull = [0.0] * c.n
     for _ in range(c.n):
-        best = max((i for i in range(c.n) if not placed[i]), key=lambda i: (pull[i], weight[i], -i))
+        if blend:
+            best = max((i for i in range(c.n) if not placed[i]), key=lambda i: (weight[i] + pull[i], -i))
+        else:
+            best = max((i for i in range(c.n) if not placed[i]), key=lambda i: (pull[i], weight[i], -i))
         order.append(best)
         placed[best] = True
         for k in range(c.n):

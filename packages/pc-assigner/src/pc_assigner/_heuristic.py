@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 from pc_assigner._core import Compiled, traffic_order
+from pc_assigner._local import VECTOR_MIN_N, vector_local_search
 from pc_assigner.problem import fits
 
 __all__ = ["default_restarts", "first_feasible", "greedy", "heuristic_search", "local_search", "repair"]
@@ -72,8 +73,11 @@ def local_search(c: Compiled, a: list[int]) -> list[int]:
 
     A candidate is priced in O(degree) without copying the loads: the new makespan is the larger of the two
     changed devices and the largest untouched one (read from the devices sorted by load, refreshed after
-    every accepted step), and the secondary objective changes by the two devices' squares only.
+    every accepted step), and the secondary objective changes by the two devices' squares only. From
+    ``VECTOR_MIN_N`` items on, the same steps are priced with numpy (:mod:`pc_assigner._local`).
     """
+    if c.n >= VECTOR_MIN_N and c.m > 1:
+        return vector_local_search(c, a)
     s = _State(c, a)
     m, n = c.m, c.n
     time, size, cap, alpha, beta = c.time, c.size, c.cap, c.alpha, c.beta
@@ -169,6 +173,36 @@ def greedy(c: Compiled, order: list[int] | None = None) -> list[int] | None:
         if best is None:
             return None
         j = best[1]
+        a[i] = j
+        loads[j] += c.time[i][j]
+        mem[j] += c.size[i]
+    return a
+
+
+def segments(c: Compiled, order: list[int]) -> list[int] | None:
+    """Cut ``order`` into consecutive runs, one per device, of about equal time: a start that cuts few edges.
+
+    Devices are filled in index order up to the balanced time ``sum(compute) / sum(speeds)``; an item goes
+    to the next device when it would overshoot the level by more than half its own time there, or does not
+    fit. Where items keep traffic local in ``order`` (a chain of layers in index order, or
+    :func:`~pc_assigner._core.traffic_order`), only the edges between runs are cut; local search then
+    balances the times.
+
+    Returns:
+        A feasible assignment, or ``None`` when the runs do not fit the memory.
+    """
+    ref = max(c.time, key=lambda row: row[0], default=())  # time[i][j] = compute_i / speed_j
+    rel = sum(ref[0] / t for t in ref) if ref and ref[0] > 0 else 1.0  # sum of speeds / speed of device 0
+    level = sum(row[0] for row in c.time) / rel  # in device 0's time: the same level on every device
+    a = [-1] * c.n
+    loads = [0.0] * c.m
+    mem = [0.0] * c.m
+    j = 0
+    for i in order:
+        while j < c.m - 1 and (loads[j] + c.time[i][j] / 2 > level or not fits(mem[j] + c.size[i], c.cap[j])):
+            j += 1
+        if not fits(mem[j] + c.size[i], c.cap[j]):
+            return None
         a[i] = j
         loads[j] += c.time[i][j]
         mem[j] += c.size[i]
@@ -276,9 +310,11 @@ def heuristic_search(c: Compiled, *, seed: int = 0, restarts: int | None = None)
     best_cost = c.cost(best)
     if c.m == 1:
         return best
-    if c.edges:  # a second start that keeps neighbours together
-        local = greedy(c, traffic_order(c))
-        if local is not None:
+    if c.edges:  # starts that keep neighbours together: greedy in traffic order, runs in two orders
+        order = traffic_order(c)
+        for local in (greedy(c, order), segments(c, list(range(c.n))), segments(c, order)):
+            if local is None:
+                continue
             local = local_search(c, local)
             value = c.cost(local)
             if value < best_cost - abs(best_cost) * 1e-12:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pc_assigner._core import Compiled
 
-__all__ = ["IlpResult", "ilp_available", "ilp_search", "lp_lower_bound"]
+__all__ = ["IlpResult", "ilp_available", "ilp_search", "lp_lower_bound", "lp_relaxation"]
 
 
 @dataclass(frozen=True)
@@ -168,27 +168,50 @@ def lp_lower_bound(c: Compiled) -> float:
 
     It is weak where communication matters (a fractional item split evenly over devices "crosses" no edge), so
     on most instances it bounds the makespan term only; it proves nothing better than that.
+    :func:`pc_assigner._bound.hub_lower_bound` charges traffic.
 
     Raises:
         ImportError: if scipy is not installed.
         ValueError: if the relaxation is infeasible (then no placement fits either).
     """
+    value = lp_relaxation(c)
+    if value is None:
+        raise ValueError("the LP relaxation has no optimum: it is infeasible")
+    return value
+
+
+def lp_relaxation(c: Compiled, fixed: dict[int, int] | None = None) -> float | None:
+    """The optimum of the LP relaxation with the items of ``fixed`` placed on their devices (integrally).
+
+    Every placement that puts the items of ``fixed`` where it says is a feasible point of this LP, with its
+    cost as the LP's objective; so the value is a lower bound on the cost of every such placement.
+
+    Returns:
+        The LP's optimum, or ``None`` when it is infeasible (then no such placement fits either).
+
+    Raises:
+        ImportError: if scipy is not installed.
+        ValueError: if HiGHS stops for another reason than optimality or infeasibility.
+    """
     np, _, _, _, _ = _import()
     from scipy.optimize import linprog
+    from scipy.sparse import vstack
 
     if c.n == 0:
         return 0.0
     obj, a_mat, lo, hi, nx = _model(c)
     nvar = len(obj)
+    lb = np.zeros(nvar)
     ub = np.full(nvar, math.inf)
     ub[:nx] = 1.0
+    for i, j in (fixed or {}).items():
+        ub[i * c.m : (i + 1) * c.m] = 0.0
+        lb[i * c.m + j] = ub[i * c.m + j] = 1.0
     finite_hi = np.isfinite(hi)
     finite_lo = np.isfinite(lo)
     eq = finite_hi & finite_lo & (lo == hi)
     upper = finite_hi & ~eq
     lower = finite_lo & ~eq
-    from scipy.sparse import vstack
-
     a_ub = vstack([a_mat[upper], -a_mat[lower]]).tocsr()
     b_ub = np.concatenate([hi[upper], -lo[lower]])
     res = linprog(
@@ -197,9 +220,11 @@ def lp_lower_bound(c: Compiled) -> float:
         b_ub=b_ub,
         A_eq=a_mat[eq],
         b_eq=hi[eq],
-        bounds=list(zip(np.zeros(nvar), ub, strict=True)),
+        bounds=list(zip(lb, ub, strict=True)),
         method="highs",
     )
+    if res.status == 2:
+        return None
     if res.status != 0:
-        raise ValueError(f"the LP relaxation has no optimum: {res.message}")
+        raise ValueError(f"the LP relaxation stopped without an optimum: {res.message}")
     return float(res.fun)
