@@ -32,6 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benchmarks
 from benchlib import Report, bench_args, median_time
 
 from pc_replicate import Parallel, Parallelizable, ReplicationCallbackDataParallel, _apply, _cpu
+from pc_replicate._pool import ReplicaThreads
 
 
 def small_cnn() -> nn.Module:
@@ -177,6 +178,15 @@ def bench_replicas(report: Report, quick: bool, repeat: int) -> None:
             lambda r=replicas, i=inputs: _apply.apply_replicas(r, i), repeat=repeat * 5, warmup=5, number=20
         )
         report.row("thread start/join (no-op replicas)", f"n={n}", t_apply)
+        pool = ReplicaThreads()  # what ReplicationCallbackDataParallel keeps between forwards
+        t_pooled = median_time(
+            lambda r=replicas, i=inputs, p=pool: _apply.apply_replicas(r, i, threads=p),
+            repeat=repeat * 5,
+            warmup=5,
+            number=20,
+        )
+        pool.close()
+        report.row("apply on kept threads (no-op replicas)", f"n={n}", t_pooled)
         t_scatter = median_time(
             lambda n=n: _cpu.gather([o[0] for o in _cpu.scatter_kwargs((xs,), {}, n, 0)[0]], 0),
             repeat=repeat * 5,

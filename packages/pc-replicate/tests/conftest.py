@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Iterator
 
@@ -14,9 +15,14 @@ def _our_threads() -> list[threading.Thread]:
 
 @pytest.fixture
 def no_thread_leak() -> Iterator[None]:
-    """Fail the test if a pc-replicate thread it started is still alive 5 s after it ended."""
+    """Fail the test if a pc-replicate thread it started is still alive 5 s after it ended.
+
+    A module's replica threads end when the module is collected; a test's exception traceback can hold it in
+    a reference cycle, so the collector runs first.
+    """
     before = set(_our_threads())
     yield
+    gc.collect()
     leaked = [t for t in _our_threads() if t not in before]
     for thread in leaked:
         thread.join(5.0)

@@ -10,7 +10,8 @@ Measured side by side in one run (medians; ratios against the baseline row of ea
    unsynchronized baseline of the issue's target) and ``nn.BatchNorm2d`` on the full batch in one thread, in
    process CPU time (all threads; min of interleaved rounds) and in wall time (medians);
 3. the fixed cost per layer call, on a tiny input where the arithmetic is negligible: a SyncBN step and a
-   plain BN step on the same replicas, the replica apply alone, and starting + joining the threads;
+   plain BN step on the same replicas, the replica apply alone (on threads kept between calls, as
+   ReplicationCallbackDataParallel does), and starting + joining as many threads;
 4. the non-parallel and eval paths against ``nn.BatchNorm2d`` (CPU time of the calling thread);
 5. bytes saved for backward, relative to the input's size.
 
@@ -23,6 +24,7 @@ Run: ``python packages/pc-sync/benchmarks/run.py [--quick] [--out results.json]`
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import queue
 import statistics
@@ -41,6 +43,7 @@ from benchlib import Report, bench_args, interleaved_min, median_time
 
 from pc_replicate import ReplicationCallbackDataParallel
 from pc_replicate._apply import apply_replicas
+from pc_replicate._pool import ReplicaThreads
 from pc_sync import SynchronizedBatchNorm2d, SyncMaster
 
 # --------------------------------------------------------------------------------- the anchors' protocol
@@ -188,6 +191,11 @@ def _interleaved(fns: list[Callable[[], Any]], repeat: int, warmup: int = 2) -> 
 
 def _fixed_costs(report: Report, repeat: int) -> None:
     """Per layer call, on an 8x8x2x2 input (negligible arithmetic): what replication and the sync cost."""
+    with contextlib.ExitStack() as stack:
+        _measure_fixed_costs(report, repeat, stack)
+
+
+def _measure_fixed_costs(report: Report, repeat: int, stack: contextlib.ExitStack) -> None:
     x = torch.randn(8, 8, 2, 2).requires_grad_()
     g = torch.randn_like(x)
     fns: dict[str, Callable[[], Any]] = {}
@@ -199,8 +207,10 @@ def _fixed_costs(report: Report, repeat: int) -> None:
             ReplicationCallbackDataParallel(nn.BatchNorm2d(8), device_ids=["cpu"] * n), x, g
         )
         identities = [nn.Identity() for _ in range(n)]
-        fns[f"replica apply alone, {n} replicas"] = lambda m=identities: apply_replicas(
-            m, [(torch.zeros(1),)] * len(m)
+        pool = ReplicaThreads()  # kept between calls, as ReplicationCallbackDataParallel keeps its own
+        stack.callback(pool.close)
+        fns[f"replica apply alone, {n} replicas"] = lambda m=identities, p=pool: apply_replicas(
+            m, [(torch.zeros(1),)] * len(m), threads=p
         )
 
         def start_join(n: int = n) -> None:

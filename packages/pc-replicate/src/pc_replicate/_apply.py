@@ -1,4 +1,4 @@
-"""Run replicas in threads: one daemon thread per replica, with the caller's torch state and an abort path.
+"""Run replicas in threads: a daemon thread per replica, with the caller's torch state and an abort path.
 
 ``torch.nn.parallel.parallel_apply`` joins every thread before it re-raises, so one replica that fails while
 its peers wait on a synchronisation (SyncBN) hangs the forward. Here::
@@ -9,11 +9,14 @@ its peers wait on a synchronisation (SyncBN) hangs the forward. Here::
     caller ◄──notify───────────┘   joins the others for at most ABORT_JOIN_TIMEOUT s, then re-raises.
 
 Each worker re-enters the caller's grad / inference / autocast state and, on CUDA, the replica's device and
-the caller's current stream on it.
+the caller's current stream on it. The threads are started for the call, or taken from a
+:class:`~pc_replicate._pool.ReplicaThreads` that keeps them between calls (what
+``ReplicationCallbackDataParallel`` does).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from pc_replicate import _threadstate
+from pc_replicate._pool import ReplicaThreads
 
 __all__ = ["ABORT_JOIN_TIMEOUT", "abort_replicas", "apply_replicas"]
 
@@ -101,6 +105,31 @@ def _call(module: nn.Module, inputs: Any, kwargs: dict[str, Any]) -> Any:
     return module(*inputs, **kwargs)
 
 
+def _work(
+    run: _Run,
+    index: int,
+    inputs: Any,
+    kwargs: dict[str, Any],
+    device: torch.device | None,
+    stream: torch.cuda.Stream | None,
+    state: _threadstate.ThreadState,
+) -> tuple[bool, Any]:
+    """Run replica ``index``: ``(True, output)``, or ``(False, exc)`` for anything it raised."""
+    try:
+        with _threadstate.cuda_context(device, stream), state.enter():
+            return True, _call(run.replicas[index], inputs, kwargs)
+    except BaseException as exc:  # a worker must never die silently: everything goes back to the caller
+        return False, exc
+
+
+def _report(run: _Run, index: int, device: torch.device | None, outcome: tuple[bool, Any]) -> None:
+    ok, value = outcome
+    if ok:
+        run.finish(index, value)
+    else:
+        run.fail(index, device, value)
+
+
 def _worker(
     run: _Run,
     index: int,
@@ -110,13 +139,7 @@ def _worker(
     stream: torch.cuda.Stream | None,
     state: _threadstate.ThreadState,
 ) -> None:
-    try:
-        with _threadstate.cuda_context(device, stream), state.enter():
-            output = _call(run.replicas[index], inputs, kwargs)
-    except BaseException as exc:  # a worker must never die silently: everything goes back to the caller
-        run.fail(index, device, exc)
-    else:
-        run.finish(index, output)
+    _report(run, index, device, _work(run, index, inputs, kwargs, device, stream, state))
 
 
 def _raise_first(run: _Run) -> None:
@@ -134,6 +157,7 @@ def apply_replicas(
     devices: Sequence[torch.device | None] | None = None,
     *,
     abort_join_timeout: float = ABORT_JOIN_TIMEOUT,
+    threads: ReplicaThreads | None = None,
 ) -> list[Any]:
     """Call ``replicas[i](*inputs[i], **kwargs_tup[i])`` in parallel threads and return the outputs in order.
 
@@ -153,6 +177,8 @@ def apply_replicas(
         kwargs_tup: per-replica keyword inputs; ``{}`` each when omitted.
         devices: per-replica devices (CUDA devices are entered in the worker); ``None`` each when omitted.
         abort_join_timeout: seconds to wait for the other replicas after a failure.
+        threads: the :class:`~pc_replicate._pool.ReplicaThreads` to run the replicas on (kept between calls);
+            ``None`` starts a thread per replica for this call.
 
     Returns:
         The outputs, in replica order.
@@ -175,6 +201,16 @@ def apply_replicas(
     streams = [_threadstate.current_stream(device) for device in device_list]
     if count == 1:
         _worker(run, 0, inputs[0], kwargs_list[0], device_list[0], streams[0], state)
+    elif threads is not None:
+        for index in range(count):
+            device = device_list[index]
+            threads.submit(
+                functools.partial(
+                    _work, run, index, inputs[index], kwargs_list[index], device, streams[index], state
+                ),
+                functools.partial(_report, run, index, device),
+            )
+        _wait(run, abort_join_timeout)
     else:
         for index in range(count):
             threading.Thread(

@@ -26,6 +26,7 @@ __all__ = [
     "cuda_context",
     "current_stream",
     "find_cuda_device",
+    "thread_is_default",
 ]
 
 #: Device types whose autocast state is carried into worker threads.
@@ -58,7 +59,7 @@ class ThreadState:
     def enter(self) -> contextlib.AbstractContextManager[None]:
         """Re-enter this state in the current thread for the duration of the ``with`` block."""
         _sync_intra_op_threads(self.num_threads)
-        if self.is_default and _thread_is_default():
+        if self.is_default and thread_is_default():
             return contextlib.nullcontext()  # fast path: nothing to change
         return self._enter()
 
@@ -96,7 +97,8 @@ def _sync_intra_op_threads(num_threads: int) -> None:
     _local.num_threads = num_threads
 
 
-def _thread_is_default() -> bool:
+def thread_is_default() -> bool:
+    """Whether this thread has a fresh thread's torch state: grad on, no inference mode, no autocast."""
     return (
         torch.is_grad_enabled()
         and not torch.is_inference_mode_enabled()

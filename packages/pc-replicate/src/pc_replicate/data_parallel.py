@@ -28,6 +28,7 @@ from torch import nn
 
 from pc_replicate import _cpu
 from pc_replicate._apply import apply_replicas
+from pc_replicate._pool import threads_of
 from pc_replicate.callback import exec_data_parallel_replication_callback
 
 __all__ = ["DataParallelWithCallback", "ReplicationCallbackDataParallel", "patch_replication_callback"]
@@ -189,7 +190,7 @@ class ReplicationCallbackDataParallel(nn.DataParallel[T]):
             _CPU if device_type == "cpu" else torch.device(device_type, index)
             for index in self.device_ids[: len(replicas)]
         ]
-        return apply_replicas(replicas, inputs, kwargs, devices)
+        return apply_replicas(replicas, inputs, kwargs, devices, threads=threads_of(self))
 
     def gather(self, outputs: Any, output_device: DeviceId) -> Any:
         """Combine the replicas' outputs along ``dim`` on ``output_device``."""
