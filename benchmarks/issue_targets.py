@@ -75,6 +75,14 @@ ISSUE_TARGETS: tuple[IssueTarget, ...] = (
         for shape in ("32x64x28x28", "64x256x14x14")
     ),
     IssueTarget(
+        "pc-replicate",
+        "fixed cost per forward, 4 CPU replicas (the persistent replica threads; the design's 1 ms)",
+        "fixed overhead per forward, n=4 (ms)",
+        "<=",
+        1.0,
+        "ms",
+    ),
+    IssueTarget(
         "pc-distributed",
         "blocking DataParallel step vs DDP, 2.1M-parameter MLP",
         "blocking DP step time vs DDP",
