@@ -26,7 +26,8 @@ def test_found_only_on_the_registering_group_object_while_both_live() -> None:
     server = _Server()
     register_local(group, "svc", server.serve)
     found = find_local(group, "svc")
-    assert found is not None and found() == "served"
+    assert found is not None
+    assert found() == "served"
     assert find_local(other_view, "svc") is None  # e.g. a handle that is not the live group
     assert find_local(group, "other") is None
     group.destroyed = True  # type: ignore[attr-defined]  # as RpcGroup.destroy() sets it
@@ -49,14 +50,16 @@ def test_ordered_server_accessor_in_the_serving_process_makes_no_call_and_gets_s
     assert pulled is not None
     pulled[0].add_(20)  # and what it pulled
     fresh = local.pull_if_newer("a", None)
-    assert fresh is not None and fresh.fresh
+    assert fresh is not None
+    assert fresh.fresh
     fresh.value.add_(30)
     refused = local.push_service_call("a", torch.zeros(3), 5, 3, want_newest=True)
     assert (refused.accepted, refused.head) == (False, 1)
     assert refused.newest is not None
     refused.newest[0].add_(40)
     stored = impl.peek("a")
-    assert stored is not None and stored[0].tolist() == [1.0, 1.0, 1.0]
+    assert stored is not None
+    assert stored[0].tolist() == [1.0, 1.0, 1.0]
     assert local.pull_if_newer("a", 1) == (False, None, 1)
     assert hub.calls == []  # not one call went through the group
 
