@@ -66,3 +66,14 @@ def test_ordered_server_accessor_in_the_serving_process_makes_no_call_and_gets_s
     remote = OrderedServerSimple("kv", hub.group("1"))  # another process: through the group, as before
     assert remote.pull("a") is not None
     assert hub.calls == ["kv/_pull_service"]
+
+
+class _NoWeakrefGroup:
+    __slots__ = ()
+
+
+def test_a_group_without_weak_references_gets_no_short_cut() -> None:
+    group = _NoWeakrefGroup()
+    server = _Server()
+    register_local(group, "svc", server.serve)  # no error: the server is simply reached by RPC
+    assert find_local(group, "svc") is None

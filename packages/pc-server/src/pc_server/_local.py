@@ -37,11 +37,17 @@ def register_local(group: object, name: str, target: Any) -> None:
         name: The server's or service's name within the group.
         target: What :func:`find_local` returns (held weakly: a bound method through ``WeakMethod``).
     """
-    ref: weakref.ref[Any] = weakref.WeakMethod(target) if inspect.ismethod(target) else weakref.ref(target)
+    try:
+        ref: weakref.ref[Any] = (
+            weakref.WeakMethod(target) if inspect.ismethod(target) else weakref.ref(target)
+        )
+        group_ref = weakref.ref(group)
+    except TypeError:  # a group (or server) without weak references: no short cut, every call is an RPC
+        return
     with _LOCK:
         for key in [k for k, (g, t) in _ENTRIES.items() if g() is None or t() is None]:
             del _ENTRIES[key]  # forget dead servers and groups (their ids may be reused)
-        _ENTRIES[(id(group), name)] = (weakref.ref(group), ref)
+        _ENTRIES[(id(group), name)] = (group_ref, ref)
 
 
 def find_local(group: object, name: str) -> Any:
