@@ -1,13 +1,16 @@
 """Where a gradient-server push spends its time, per leg, with 1, 2 and 4 processes on loopback.
 
-``python packages/pc-server/benchmarks/scaling_legs.py [--points 1,2,4] [--pushes 40] [--reps 3]``: for every
-point N, a local world of N processes (``run_world``) builds the scaling benchmark's gradient server (every
-rank a client and a secondary reducer, the primary on rank 0, 4 tensors x 25k floats, ``reduce_batch_size=4``,
-``flush_timeout=0.05``), and every client pushes ``pushes`` times, barrier to barrier. Each leg is timed by
-wrapping the function that runs it (a monotonic clock; only reported, never asserted):
+``python packages/pc-server/benchmarks/scaling_legs.py [--points 1,2,4] [--pushes 40] [--reps 3]``, or
+one point under torchrun (each worker in a session of its own, as the scaling benchmark runs):
+``torchrun --standalone --nproc_per_node 4 packages/pc-server/benchmarks/scaling_legs.py --torchrun``.
+For every point N, a local world of N processes (``run_world``) builds the scaling benchmark's gradient
+server (every rank a client and a secondary reducer, the primary on rank 0, 4 tensors x 25k floats,
+``reduce_batch_size=4``, ``flush_timeout=0.05``), and every client pushes ``pushes`` times, barrier to
+barrier. Each leg is timed by wrapping the function that runs it (a monotonic clock; only reported, never
+asserted):
 
 - ``push``: the client's whole ``PushPullGradServer.push`` (the RPC to a secondary, then the pull);
-- ``push_rpc``: the RPC to the secondary (``call_service``), ``pull``: the pull that follows it;
+- ``push_rpc``: the RPC to a secondary in another process (``call_service``), ``pull``: the pull after it;
 - ``lookup``: directory look-ups in the store (``Directory.owner`` with ``refresh``);
 - ``accept``: the secondary's handler; ``forward``: a secondary's bundle to the primary (RPC or direct call);
 - ``step``: the primary's optimizer step with its publication; ``queue_wait``: how long pushes waited in the
@@ -65,7 +68,7 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 def _instrument() -> None:
     """Wrap the legs (in this process) with timers."""
     from pc_distributed import _rpc_directory
-    from pc_server import _primary_reducer, _secondary_reducer, grad_client, grad_server
+    from pc_server import _primary_reducer, _secondary_reducer, grad_client
 
     grad_client.call_service = _timed("push_rpc", grad_client.call_service)  # type: ignore[assignment]
     grad_client.pull_model = _timed("pull", grad_client.pull_model)  # type: ignore[assignment]
@@ -92,7 +95,6 @@ def _instrument() -> None:
     sec._deliver = timed_deliver  # type: ignore[method-assign]
     prim = _primary_reducer.PrimaryReducer
     prim._step = _timed("step", prim._step)  # type: ignore[method-assign]
-    del grad_server
 
 
 def worker(rank: int, pushes: int, reps: int) -> dict[str, Any]:
@@ -179,6 +181,23 @@ def _fmt(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:7.2f} ms (n={len(values)}, p90 {p90 * 1e3:.2f})"
 
 
+def _report(n: int, pushes: int, reps: int, results: list[dict[str, Any]]) -> None:
+    """Print one point's throughput, CPU and legs (the repetition with the shortest applied time)."""
+    total = n * pushes
+    best = min(range(reps), key=lambda i: results[0]["runs"][i]["applied_s"])
+    applied = results[0]["runs"][best]["applied_s"]
+    returned = results[0]["runs"][best]["returned_s"]
+    cpu = sum(r["runs"][best]["cpu_s"] for r in results)
+    print(
+        f"N={n}: {total / applied:6.1f} pushes/s applied, {total / returned:6.1f} returned, "
+        f"CPU {cpu / total * 1e3:.2f} ms/push, {cpu / applied:.2f} CPU-s/s, "
+        f"threads/rank {[r['threads'] for r in results]}"
+    )
+    for leg in sorted({k for r in results for k in r["times"]}):
+        per_rank = "  ".join(f"r{i}: {_fmt(r['times'].get(leg, []))}" for i, r in enumerate(results))
+        print(f"  {leg:10s} {per_rank}")
+
+
 def _torchrun_main(pushes: int, reps: int) -> None:
     """Under torchrun: this rank's World from the environment; rank 0 prints."""
     import os
@@ -211,25 +230,6 @@ def main() -> None:
     for n in (int(p) for p in args.points.split(",")):
         results = run_world(worker, n, args=(args.pushes, args.reps), timeout=600, rpc_timeout=WAIT)
         _report(n, args.pushes, args.reps, results)
-
-
-def _report(n: int, pushes: int, reps: int, results: list[dict[str, Any]]) -> None:
-    """Print one point's throughput, CPU and legs."""
-    if True:
-        total = n * pushes
-        best = min(range(reps), key=lambda i: results[0]["runs"][i]["applied_s"])
-        applied = results[0]["runs"][best]["applied_s"]
-        returned = results[0]["runs"][best]["returned_s"]
-        cpu = sum(r["runs"][best]["cpu_s"] for r in results)
-        print(
-            f"N={n}: {total / applied:6.1f} pushes/s applied, {total / returned:6.1f} returned, "
-            f"CPU {cpu / total * 1e3:.2f} ms/push, {cpu / applied:.2f} CPU-s/s, "
-            f"threads/rank {[r['threads'] for r in results]}"
-        )
-        legs = sorted({k for r in results for k in r["times"]})
-        for leg in legs:
-            per_rank = "  ".join(f"r{i}: {_fmt(r['times'].get(leg, []))}" for i, r in enumerate(results))
-            print(f"  {leg:10s} {per_rank}")
 
 
 if __name__ == "__main__":
