@@ -131,10 +131,12 @@ def happy_world(rank: int) -> dict[str, Any]:
         wide.pp_version = 1
         wide.fill(3.0)
         params = [id(p) for p in wide.parameters()]
-        out["big_self_push"] = big.push(wide)
-        wide.fill(-3.0)
-        wide.pp_version = 0
-        big.pull(wide)
+        with _CallCounter() as counter:  # the server lives here: called directly, no RPC to itself
+            out["big_self_push"] = big.push(wide)
+            wide.fill(-3.0)
+            wide.pp_version = 0
+            big.pull(wide)
+        out["big_self_calls"] = counter.count
         out["big_self_pulled"] = (
             wide.pp_version,
             wide.values(),
@@ -163,9 +165,14 @@ def happy_world(rank: int) -> dict[str, Any]:
         value, version = kv.pull("c")
         out["cas_head"] = (value.tolist(), version)
         mine = torch.ones(2)
-        kv.push("self", mine, 1, None)
-        mine.add_(5)
-        out["self_snapshot"] = kv.pull("self")[0].tolist()
+        with _CallCounter() as counter:
+            kv.push("self", mine, 1, None)
+            mine.add_(5)
+            pulled = kv.pull("self")[0]
+            pulled.add_(7)  # nor may mutating what was pulled reach the server
+            out["self_snapshot"] = (pulled.tolist(), kv.pull("self")[0].tolist())
+        out["self_kv_calls"] = counter.count
+        out["local_grad_push"] = _local_grad_push(group)
 
     # --- gradient server, machin's example, sum and mean (two pushes from each client)
     for method in ("sum", "mean"):
@@ -221,6 +228,40 @@ def happy_world(rank: int) -> dict[str, Any]:
                 impl.stop(timeout=BARRIER_S)
     out["received"] = sum(i.stats().received for i in servers.impls)
     group.barrier(BARRIER_S)
+    return out
+
+
+def _local_grad_push(group: Any) -> dict[str, Any]:
+    """Rank 0: a client on the reducers' own process pushes twice (no RPC); its gradient tensors are mutated
+    between the pushes, which must not reach the queued first push (the batch of 2 waits for the second)."""
+    managed = Wide()
+    managed.fill(0.0)
+    impl = PushPullGradServerImpl(
+        "gs_local", group, secondary_reducers=["0"], reduce_batch_size=2, flush_timeout=None
+    )
+    impl.manage_model(managed, PlainSGD(managed.parameters()))
+    impl.start()
+    client = group.get_paired("gs_local").to_here()
+    model = Wide()
+    out: dict[str, Any] = {}
+    with _CallCounter() as counter:
+        for value in (1.0, 2.0):
+            grads = [torch.full_like(p, value) for p in model.parameters()]
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.grad = g
+            out.setdefault("accepted", []).append(client.push(model))
+            for g in grads:
+                g.fill_(100.0)  # the client's tensors change after the push returned
+    out["calls"] = counter.count
+    impl.stop(
+        timeout=BARRIER_S
+    )  # the secondary forwards its batch of 2; the primary applies it while draining
+    impl.watch()
+    out["steps"] = impl.stats().steps
+    client.pull(model)
+    out["weights"] = model.values()[:2]  # weight and bias: 0 - (1 + 2) with lr 1
+    ledger = impl.ledger().clients[client.client_id]
+    out["ledger"] = (ledger.accepted, ledger.applied)
     return out
 
 

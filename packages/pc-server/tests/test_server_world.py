@@ -35,6 +35,7 @@ def test_model_server_large_tensors_are_snapshots(results: list[dict[str, Any]])
     assert results[0]["big_self_push"] is True
     assert results[0]["big_self_pulled"] == (2, [[3.0], [3.0], [3.0]], True)
     assert results[0]["big_stored"] == (2, [3.0])
+    assert results[0]["big_self_calls"] == 0  # the server's own process calls it directly
 
 
 def test_ordered_server_cas_one_winner_and_snapshots(results: list[dict[str, Any]]) -> None:
@@ -42,7 +43,19 @@ def test_ordered_server_cas_one_winner_and_snapshots(results: list[dict[str, Any
     assert wins.count(True) == 1
     winner = 1 if wins[0] else 2
     assert results[0]["cas_head"] == ([float(winner)] * 2, 1)
-    assert results[0]["self_snapshot"] == [1.0, 1.0]
+    assert results[0]["self_snapshot"] == ([8.0, 8.0], [1.0, 1.0])
+    assert results[0]["self_kv_calls"] == 0
+
+
+def test_grad_server_client_in_the_reducers_process_calls_them_directly(
+    results: list[dict[str, Any]],
+) -> None:
+    local = results[0]["local_grad_push"]
+    assert local["accepted"] == [True, True]
+    assert local["calls"] == 0  # neither the pushes nor the pulls went through RPC
+    assert local["steps"] == 1
+    assert local["weights"] == [[-3.0], [-3.0]]  # the gradients as pushed, not as mutated afterwards
+    assert local["ledger"] == (2, 2)
 
 
 @pytest.mark.parametrize(("method", "expected"), [("sum", (-23.0, -10.0, -5.0)), ("mean", (-5.0, -1.0, 1.0))])

@@ -1,7 +1,7 @@
 """The thin layer over torch.distributed and torch.distributed.rpc that World uses to start and stop.
 
 Every torch call that sets up or tears down global state lives here, so a change in torch touches one file.
-Public torch APIs only.
+Public torch APIs only, with one exception named in :func:`rpc_options` (TensorPipe's transports).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ __all__ = [
     "new_group",
     "open_store",
     "prefix_store",
+    "rpc_options",
     "shutdown_rpc",
     "start_rpc",
     "store_client",
@@ -38,6 +39,8 @@ __all__ = [
 Store: Any = dist.Store  # type: ignore[attr-defined]
 _PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
+# TensorPipe's event-driven transport (libuv, TCP); its "shm" and "ibv" transports busy-poll.
+_EVENT_TRANSPORT = "uv"
 _rendezvous: Any = dist.rendezvous  # type: ignore[attr-defined]
 
 logger = logging.getLogger(__name__)
@@ -151,13 +154,46 @@ def destroy_pg() -> None:
         dist.destroy_process_group()
 
 
-def start_rpc(name: str, rank: int, world_size: int, url: str, timeout: float, start_timeout: float) -> None:
+def rpc_options(url: str, timeout: float, busy_poll: bool) -> Any:
+    """TensorPipe's options: ``url``, ``timeout`` and, unless ``busy_poll``, the event-driven transport only.
+
+    TensorPipe's shared-memory transport (and its InfiniBand one) runs a reactor thread per process that
+    busy-polls (``sched_yield`` in a loop) from ``init_rpc`` to shutdown, idle or not. Where processes
+    outnumber cores, or each process is its own scheduling group (torchrun starts every worker in a session
+    of its own), that thread takes the CPU share its process's real work needed: the gradient server scaled
+    negatively (docs/server.md, "Performance"). Without ``busy_poll`` only TensorPipe's libuv (TCP) transport
+    is offered, which sleeps in ``epoll``; the channels that move tensors (e.g. cross-memory attach between
+    processes of one host) are unchanged.
+
+    This is the one place pc passes an underscored torch argument (``_transports``, a keyword of the public
+    ``TensorPipeRpcBackendOptions`` with no public equivalent); a torch without it keeps its defaults.
+    """
+    if busy_poll:
+        return rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=timeout)
+    try:
+        return rpc.TensorPipeRpcBackendOptions(
+            init_method=url, rpc_timeout=timeout, _transports=[_EVENT_TRANSPORT]
+        )
+    except TypeError as exc:  # pragma: no cover - a torch whose options lost the argument
+        logger.warning("TensorPipe options take no _transports (%r); keeping its default transports", exc)
+        return rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=timeout)
+
+
+def start_rpc(
+    name: str,
+    rank: int,
+    world_size: int,
+    url: str,
+    timeout: float,
+    start_timeout: float,
+    busy_poll: bool = False,
+) -> None:
     """Initialise RPC with TensorPipe on ``url`` (calls time out after ``timeout`` seconds by default).
 
     The start-up (RPC's rendezvous on the store and TensorPipe's exchange of the workers' names) must finish
-    within ``start_timeout`` plus ``WAIT_GRACE`` seconds.
+    within ``start_timeout`` plus ``WAIT_GRACE`` seconds. ``busy_poll``: see :func:`rpc_options`.
     """
-    options = rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=timeout)
+    options = rpc_options(url, timeout, busy_poll)
 
     def start() -> None:
         with warnings.catch_warnings():

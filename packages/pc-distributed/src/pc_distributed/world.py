@@ -95,6 +95,7 @@ class World:
         *,
         addr: str | None = None,
         interface: str | None = None,
+        rpc_busy_poll: bool = False,
     ) -> None:
         self.name = check_name(name)
         self.dist_timeout = positive_seconds("dist_timeout", dist_timeout)
@@ -108,6 +109,7 @@ class World:
         self.dist_backend = dist_backend
         self.init_dist = bool(init_dist)
         self.init_rpc = bool(init_rpc)
+        self.rpc_busy_poll = bool(rpc_busy_poll)
         self._rpc_groups: dict[str, RpcGroup] = {}
         self._rpc_instances: dict[str, int] = {}
         self._collective_groups: list[CollectiveGroup] = []
@@ -143,6 +145,7 @@ class World:
                     self._conn.rpc_init_method(self._spec.dist_url, self.dist_timeout),
                     self.rpc_timeout,
                     self.dist_timeout,
+                    self.rpc_busy_poll,
                 )
         except BaseException:
             for step in reversed(undo):

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["GroupLike", "call_member", "call_service", "check_group", "check_name"]
+from pc_server._local import register_local
+
+__all__ = ["GroupLike", "call_member", "call_service", "check_group", "check_name", "register_service"]
 
 
 @runtime_checkable
@@ -89,6 +91,19 @@ def check_name(what: str, value: object) -> str:
     if not value:
         raise ValueError(f"{what} must be a non-empty str, got ''")
     return value
+
+
+def register_service(group: GroupLike, key: str, service: Callable[..., Any]) -> None:
+    """Register ``service`` under ``key`` in ``group``, and for this process's accessors (``_local``).
+
+    An accessor in this process finds it with ``find_local(group, key)`` and calls it without an RPC to
+    itself; so the service must accept its own process's arguments as they are (no copy is made).
+
+    Raises:
+        KeyError: ``key`` is already registered in the group.
+    """
+    group.register(key, service)
+    register_local(group, key, service)
 
 
 def call_service(group: GroupLike, key: str, args: tuple[Any, ...], server: str) -> Any:

@@ -4,7 +4,9 @@ A push is one RPC carrying every ``requires_grad`` parameter's gradient packed i
 ``(client, seq, pp_version)``; the secondary queues it and replies at once. The secondary is chosen by
 rotation starting at ``crc32(seed) % n`` (the seed defaults to this process's name), so runs are reproducible;
 a transport error is retried once on the same secondary (its ``(client, seq)`` table recognises a push it
-already received, so a lost reply never applies a push twice), then once on the next secondary.
+already received, so a lost reply never applies a push twice), then once on the next secondary. A secondary
+(and an ordered server) in the client's own process is called directly, without an RPC to itself
+(``pc_server._local``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from pc_server._group import GroupLike, call_service, check_group, check_name
+from pc_server._local import find_local
 from pc_server._packing import Packed, pack
 from pc_server._state import check_model, get_pp_version
 from pc_server.ledger import GradLedger
@@ -167,11 +170,16 @@ class PushPullGradServer:
             TimeoutError: A reducer did not answer within the RPC timeout.
         """
         return GradLedger.merge(
-            call_service(
-                self.group, reducer_service_name(self.server_name, m), (None, LEDGER_LEVEL), self.server_name
-            )
+            self._call(reducer_service_name(self.server_name, m), (None, LEDGER_LEVEL))
             for m in self._reducers()
         )
+
+    def _call(self, service: str, args: tuple[Any, ...]) -> Any:
+        """Call a reducer's service: directly if it lives in this process (no RPC to itself), else by RPC."""
+        local = find_local(self.group, service)
+        if local is not None:
+            return local(*args)
+        return call_service(self.group, service, args, self.server_name)
 
     def _reducers(self) -> list[str]:
         primary = self.primary_reducer
@@ -210,10 +218,9 @@ class PushPullGradServer:
             TimeoutError: A server did not answer within the RPC timeout.
         """
         check_model(model)
-        message_grads = pack(collect_grads(model))
+        grads = collect_grads(model)
         version = get_pp_version(model)
         self._seq += 1
-        message = GradMessage(message_grads, self.client_id, self._seq, version)
         first = self._peek()
         self._next = (first + 1) % len(self._services)
         # the same secondary first (its dedup table makes the retry safe), then the next one
@@ -222,10 +229,13 @@ class PushPullGradServer:
         )
         reply: Any = None
         for i, index in enumerate(attempts):
+            service = self._services[index]
+            # Over RPC the serialisation is the copy the reducer keeps, so large CPU gradients are sent as
+            # they are; a reducer in this process keeps the very tensors, so it gets a private copy.
+            local = find_local(self.group, service) is not None
+            message = GradMessage(pack(grads, copy=local), self.client_id, self._seq, version)
             try:
-                reply = call_service(
-                    self.group, self._services[index], (message, REDUCE_SLAVE), self.server_name
-                )
+                reply = self._call(service, (message, REDUCE_SLAVE))
                 break
             except ConnectionError:
                 if i + 1 == len(attempts):

@@ -30,7 +30,7 @@ from torch import nn
 
 from pc_server._forward import deliver_forward, register_primary
 from pc_server._grad_checkpoint import grad_state, load_grad_state
-from pc_server._group import GroupLike, call_member, check_group
+from pc_server._group import GroupLike, call_member, check_group, register_service
 from pc_server._packing import Packed
 from pc_server._primary_reducer import PrimaryReducer
 from pc_server._reducer_base import Done, Forward, ReducerHealth
@@ -154,7 +154,7 @@ class PushPullGradServerImpl:
                 (lambda: primary.version) if primary is not None else None,
             )
 
-        group.register(reducer_service_name(server_name, cfg.me), self._push_service)
+        register_service(group, reducer_service_name(server_name, cfg.me), self._push_service)
         if self._primary is not None:
             # secondaries in other processes forward by member name through deliver_forward (no directory)
             register_primary(group.get_group_name(), server_name, self._primary.receive)
