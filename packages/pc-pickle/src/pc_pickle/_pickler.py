@@ -342,19 +342,20 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
         SharedHandleError: (a :class:`PayloadError`) if a shared tensor can no longer be opened (producer
             gone, payload loaded twice).
     """
-    view = _verified_view(data, "loads")
-    return unpickle(data if type(data) is bytes else view)
+    return unpickle(*_verified_view(data, "loads"))
 
 
-def _verified_view(data: object, caller: str) -> memoryview:
-    """``data`` as a flat byte view with a valid seal: the one input check of loads and release."""
+def _verified_view(data: object, caller: str) -> tuple[memoryview, tuple[int, ...]]:
+    """``data`` as a flat byte view with a valid seal, and where its raw regions begin.
+
+    The one input check of loads and release.
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"{caller} expects bytes, bytearray or memoryview, got {type(data).__qualname__}")
     view = memoryview(data)
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
-    verify(view)
-    return view
+    return view, verify(view)
 
 
 def release(data: bytes | bytearray | memoryview) -> None:
@@ -378,5 +379,4 @@ def release(data: bytes | bytearray | memoryview) -> None:
         SharedHandleError: If a handle cannot be opened: loaded or released already, or ('file_descriptor')
             the producer is gone, in which case its fds went with it and nothing is left to free.
     """
-    view = _verified_view(data, "release")
-    release_outer(data if type(data) is bytes else view)
+    release_outer(*_verified_view(data, "release"))
