@@ -12,12 +12,15 @@ import ctypes
 import pickle
 from typing import Any
 
-from pc_pickle._bigbuf import HUGE_MIN, advise
+from pc_pickle._bigbuf import HUGE_MIN, advise, blank_bytes
 from pc_pickle._errors import PayloadError
 from pc_pickle._seal import FORMAT_VERSION
 from pc_pickle._tensors import installed_storages, materialize_entry
 
-__all__ = ["FORMAT_VERSION", "Payload", "release_outer", "unpickle"]
+__all__ = ["FORMAT_VERSION", "Chunks", "Payload", "outer_pieces", "release_outer", "unpickle"]
+
+# The C pickler writes a bytes object this large straight to its file, not into a frame (FRAME_SIZE_TARGET).
+_DIRECT = 64 * 1024
 
 
 class Payload:
@@ -36,6 +39,54 @@ class Payload:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_load_payload, (FORMAT_VERSION, self.table, self.graph))
+
+
+class Chunks:
+    """A write-only "file" that keeps the pieces the C pickler writes, joined once at the end.
+
+    The C pickler hands buffers of 64 KiB and more straight to ``write`` (no copy into its own buffer), so a
+    large tensor costs one copy in :func:`pc_pickle.dumps` (the join, into huge pages:
+    :mod:`pc_pickle._bigbuf`) instead of the two or three of ``pickle.dumps``, whose output buffer grows by
+    reallocation.
+    """
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+
+    def write(self, data: Any) -> int:
+        self.parts.append(data)  # kept alive (and unchanged: the dump is synchronous) until the join
+        return len(memoryview(data))
+
+
+def outer_pieces(table: list[tuple[Any, ...]], graph: list[Any]) -> list[Any]:
+    """The pieces of the outer pickle ``_load_payload(FORMAT_VERSION, table, graph bytes)``.
+
+    The graph's bytes are the concatenation of its pieces, but they are not joined into one object here: the
+    outer pickler writes a same-sized stand-in (never read, never filled) straight to the file, and its
+    pieces take the stand-in's place. The bytes are then copied once, by the final join, not twice.
+
+    Args:
+        table: The materialized storage table.
+        graph: The graph's pickle, as pieces.
+
+    Returns:
+        The outer pickle's pieces (bytes, and ``PickleBuffer`` objects of raw storage bytes).
+    """
+    size = sum(memoryview(piece).nbytes for piece in graph)
+    if size >= _DIRECT and all(type(piece) is bytes for piece in graph):
+        stand_in = blank_bytes(size)
+        chunks = Chunks()
+        pickle.Pickler(chunks, protocol=5).dump(Payload(table, stand_in))
+        for at, piece in enumerate(chunks.parts):
+            if piece is stand_in:
+                return [*chunks.parts[:at], *graph, *chunks.parts[at + 1 :]]
+    # Small graphs are copied into the outer pickler's frame anyway (and a stand-in the pickler copied, which
+    # the loop above did not find, is dropped with its pickle).
+    chunks = Chunks()
+    pickle.Pickler(chunks, protocol=5).dump(Payload(table, b"".join(graph)))
+    return chunks.parts
 
 
 class _Unpickler(pickle.Unpickler):

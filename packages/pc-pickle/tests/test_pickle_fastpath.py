@@ -1,4 +1,7 @@
-"""The loader's reader: windows are views of the payload (no copies), and they end where raw regions begin."""
+"""The fast path: the cached reducer_override, and the loader's reader.
+
+The reader hands out views of the payload (no copies), and its windows end where raw regions begin.
+"""
 
 from __future__ import annotations
 
@@ -87,3 +90,63 @@ def test_pickle_plain_pickle_loads_still_reads_a_payload() -> None:
     data, obj = _payload_with_regions()
     out = pickle.loads(data)
     assert all(torch.equal(out[k], t) for k, t in obj.items())
+
+
+class _Item:
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+def test_pickle_reducer_is_chosen_once_per_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook caches its choice by exact type: each type is chosen once per dump, and the choice holds."""
+    from pc_pickle import _pickler
+
+    chosen: list[type] = []
+    original = _pickler._choose
+
+    def counting(cls: type, **kwargs: object) -> object:
+        chosen.append(cls)
+        return original(cls, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_pickler, "_choose", counting)
+    weight = torch.arange(4.0)
+    obj = [_Item(i) for i in range(100)] + [weight[i:] for i in range(4)] + [len] * 96
+    out = pc_pickle.loads(pc_pickle.dumps(obj))
+    assert len(chosen) == len(set(chosen))  # once per type (the classes and rebuild functions count too)
+    assert {_Item, torch.Tensor, type(len)} <= set(chosen)
+    assert [x.i for x in out[:100]] == list(range(100))
+    assert out[103].untyped_storage().data_ptr() == out[100].untyped_storage().data_ptr()  # table, not torch
+    assert out[104] is len
+
+
+def _outer_as_one_object(graph: list[bytes | bytearray]) -> bytes:
+    chunks = _payload.Chunks()
+    pickle.Pickler(chunks, protocol=5).dump(_payload.Payload([], b"".join(graph)))
+    return b"".join(chunks.parts)
+
+
+@pytest.mark.parametrize(
+    ("graph", "spliced"),
+    [
+        ([bytes(range(256)) * 300, b"tail"], True),  # 76 KB: the pieces replace the stand-in
+        ([b"x" * (64 * 1024)], True),  # exactly the size the pickler writes straight to the file
+        ([b"x" * (64 * 1024 - 1)], False),  # one byte less: copied into the frame, so joined first
+        ([bytes(70_000), bytearray(b"mutable")], False),  # not all bytes: joined
+    ],
+)
+def test_pickle_outer_pieces_equal_the_outer_pickle_of_the_joined_graph(
+    graph: list[bytes | bytearray], spliced: bool
+) -> None:
+    pieces = _payload.outer_pieces([], list(graph))
+    assert b"".join(pieces) == _outer_as_one_object(graph)  # the same stream, byte for byte
+    assert any(piece is graph[0] for piece in pieces) is spliced  # spliced: the graph's own objects, no copy
+
+
+def test_pickle_a_spliced_graph_round_trips() -> None:
+    obj = [_Item(i) if i % 2 else {"id": i, "v": (i, 0.5), "s": f"n{i}"} for i in range(5_000)]
+    data = pc_pickle.dumps(obj)
+    assert len(data) > 64 * 1024
+    out = pc_pickle.loads(data)
+    assert [x.i if isinstance(x, _Item) else x for x in out] == [
+        x.i if isinstance(x, _Item) else x for x in obj
+    ]
