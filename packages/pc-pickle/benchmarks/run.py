@@ -1,12 +1,13 @@
 """pc-pickle benchmark: dumps+loads against pickle protocol 5, dill, cloudpickle and torch's share handle.
 
 Run from the repository root: ``python packages/pc-pickle/benchmarks/run.py [--quick] [--out PATH]``.
-All variants run interleaved in one process with one torch thread (benchlib.interleaved_min); ratios are what
-counts. Beside the 100 MB case stands its roofline, measured in the same rounds: one 100 MB copy into memory
-already touched (``Tensor.copy_``), into fresh memory (``clone``: every 4 KiB page faults in first), and into
-fresh memory advised to use huge pages. A copy round trip needs two copies into fresh memory (the payload,
-the loaded storage). The peak memory of a round trip is the RSS high-water mark of a child process (torch's
-storage is invisible to tracemalloc), above its RSS with the tensor already allocated.
+All variants run interleaved in one process with one torch thread (benchlib.interleaved_min; the small-object
+cases (b) and (b') in paired rounds, see ``paired_case``); ratios are what counts. Beside the 100 MB case
+stands its roofline, measured in the same rounds: one 100 MB copy into memory already touched
+(``Tensor.copy_``), into fresh memory (``clone``: every 4 KiB page faults in first), and into fresh memory
+advised to use huge pages. A copy round trip needs two copies into fresh memory (the payload, the loaded
+storage). The peak memory of a round trip is the RSS high-water mark of a child process (torch's storage is
+invisible to tracemalloc), above its RSS with the tensor already allocated.
 """
 
 from __future__ import annotations
