@@ -1,21 +1,24 @@
 """pc-pickle benchmark: dumps+loads against pickle protocol 5, dill, cloudpickle and torch's share handle.
 
 Run from the repository root: ``python packages/pc-pickle/benchmarks/run.py [--quick] [--out PATH]``.
-All variants run interleaved in one process with one torch thread (benchlib.interleaved_min); ratios are what
-counts. Beside the 100 MB case stands its roofline, measured in the same rounds: one 100 MB copy into memory
-already touched (``Tensor.copy_``), into fresh memory (``clone``: every 4 KiB page faults in first), and into
-fresh memory advised to use huge pages. A copy round trip needs two copies into fresh memory (the payload,
-the loaded storage). The peak memory of a round trip is the RSS high-water mark of a child process (torch's
-storage is invisible to tracemalloc), above its RSS with the tensor already allocated.
+All variants run interleaved in one process with one torch thread (benchlib.interleaved_min; the small-object
+cases (b) and (b') in paired rounds, see ``paired_case``); ratios are what counts. Beside the 100 MB case
+stands its roofline, measured in the same rounds: one 100 MB copy into memory already touched
+(``Tensor.copy_``), into fresh memory (``clone``: every 4 KiB page faults in first), and into fresh memory
+advised to use huge pages. A copy round trip needs two copies into fresh memory (the payload, the loaded
+storage). The peak memory of a round trip is the RSS high-water mark of a child process (torch's storage is
+invisible to tracemalloc), above its RSS with the tensor already allocated.
 """
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
 import pathlib
 import pickle
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -30,12 +33,14 @@ import cloudpickle
 import dill
 import torch
 from benchlib import Report, bench_args, interleaved_min, median_time
+from pickle_bench_objects import Point as ImportedPoint
+from pickle_bench_objects import small_objects
 
 import pc_pickle
 
 
 class Point:
-    """A small plain object (goes through reducer_override, unlike dicts)."""
+    """A small plain object of a class defined in ``__main__`` (pc_pickle carries such a class by value)."""
 
     def __init__(self, i: int) -> None:
         self.x = i
@@ -72,6 +77,50 @@ def bench_case(
     for name in fns:
         report.row(case, name, times[name], baseline=(name == "pickle5"))
     return times
+
+
+def paired_case(
+    report: Report,
+    case: str,
+    obj: Any,
+    repeat: int,
+    peers: list[str],
+    extra: dict[str, Callable[[], Any]] | None = None,
+) -> dict[str, list[float]]:
+    """CPU time of each variant in ``repeat`` rounds that run every variant once, in an order rotating by one
+    per round; rows are the medians. Returns each variant's per-round ratios to pickle5 (same round): on a
+    shared machine a round's neighbours share its load, so the median of these ratios is steadier than a
+    ratio of minima taken in different rounds.
+
+    Each call starts after an untimed ``gc.collect()``: otherwise a full collection that the previous
+    variant's garbage made due (dill's leaves plenty) lands on whichever variant runs next (with torch
+    loaded, one costs more than a whole round trip here). The collections a call's own objects cause stay
+    in its time."""
+    fns: dict[str, Callable[[], Any]] = {
+        name: (lambda d=PEERS[name][0], ld=PEERS[name][1]: ld(d(obj))) for name in peers
+    }
+    fns.update(extra or {})
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for fn in fns.values():
+        fn()
+    for i in range(repeat):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            gc.collect()
+            start = time.thread_time()
+            fns[name]()
+            samples[name].append(time.thread_time() - start)
+    for name in names:
+        report.row(case, name, statistics.median(samples[name]), baseline=(name == "pickle5"))
+    base = samples["pickle5"]
+    return {name: [a / b for a, b in zip(samples[name], base, strict=True)] for name in names}
+
+
+def _spread(ratios: list[float]) -> str:
+    ordered = sorted(ratios)
+    n = len(ordered)
+    quartiles = f"{ordered[n // 4]:.3f}-{ordered[3 * n // 4]:.3f}x"
+    return f"median {statistics.median(ordered):.3f}x, quartiles {quartiles}"
 
 
 def _huge_copy(src: torch.Tensor) -> torch.Tensor:
@@ -185,16 +234,20 @@ def main() -> None:
         "100 MB tensor dumps+loads vs pickle5", ratio, "<=", 0.25, note="" if ratio <= 0.25 else why
     )
 
-    # (b) 10,000 small Python objects; beside them, pickle5 with an empty Python reducer_override: the cost
-    # any pickler pays that must see each object (CPython calls the hook for every object outside plain data)
-    small = [Point(i) if i % 2 else {"id": i, "name": f"n{i}", "v": (i, 0.5)} for i in range(10_000)]
+    # (b) 10,000 small Python objects of an importable class: every peer pickles the class by reference, so
+    # the case measures the same work per object. Beside them, pickle5 with an empty Python reducer_override:
+    # the cost any pickler pays that must see each object (CPython calls the hook for every object outside
+    # plain data).
+    small = small_objects(ImportedPoint)
     hooked = {"pickle5 + empty reducer_override": lambda: pickle.loads(_hooked_dumps(small))}
-    t = bench_case(
-        report, "(b) 10k small objects (CPU time)", small, 3 * repeat, list(PEERS), extra=hooked,
-        clock=time.thread_time,
-    )  # fmt: skip
-    ratio = t["pc_pickle"] / t["pickle5"]
-    floor = t["pickle5 + empty reducer_override"] / t["pickle5"]
+    rounds = 41 if not quick else 11
+    r = paired_case(report, "(b) 10k small objects (CPU time, median)", small, rounds, list(PEERS), hooked)
+    ratio = statistics.median(r["pc_pickle"])
+    floor = statistics.median(r["pickle5 + empty reducer_override"])
+    report.note(
+        f"(b) {rounds} rounds, each variant once per round; pc_pickle / pickle5 in the same round: "
+        f"{_spread(r['pc_pickle'])}; pickle5 with an empty reducer_override: {_spread(r[next(iter(hooked))])}"
+    )
     report.target(
         "10k small objects vs pickle5",
         ratio,
@@ -203,9 +256,24 @@ def main() -> None:
         note=""
         if ratio <= 1.1
         else f"CPython calls reducer_override for every object outside plain data: an empty one already "
-        f"costs {floor:.2f}x pickle5 here (same rounds), and pc_pickle's looks up each object's type in it "
-        "(tensors, by-value functions), which is most of the rest; the payload's envelope (nested graph, "
-        "CRC-32) measured under 2%",
+        f"costs {floor:.2f}x pickle5 here (same rounds); pc_pickle's looks up each object's type "
+        "(tensors, by-value functions) and its payload carries a CRC-32 (written on dumps, checked on loads)",
+    )
+
+    # (b') the same objects of a class defined in __main__ (this script): pc_pickle and cloudpickle carry the
+    # class by value (a spawned worker's __main__ is another script), once per payload; pickle5 by reference
+    main_small = small_objects(Point)
+    alone_name = "pc_pickle: the __main__ class alone"
+    by_value = {alone_name: lambda: pc_pickle.loads(pc_pickle.dumps(Point))}
+    r = paired_case(
+        report, "(b') 10k small objects, __main__ class (CPU time, median)", main_small, rounds,
+        ["pc_pickle", "pickle5", "cloudpickle"], by_value,
+    )  # fmt: skip
+    report.note(
+        f"(b') with the class defined in __main__, pc_pickle / pickle5: {_spread(r['pc_pickle'])}: pc_pickle "
+        f"carries the class by value through dill, once per payload (the class alone: "
+        f"{statistics.median(r[alone_name]):.3f}x pickle5's round trip), where pickle5 pickles it by "
+        "reference; the target row (b) uses an importable class, which every peer pickles by reference"
     )
 
     # peak memory of a round trip, in a child process

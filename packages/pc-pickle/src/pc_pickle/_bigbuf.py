@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["HUGE_MIN", "advise", "join"]
+__all__ = ["HUGE_MIN", "advise", "blank_bytes", "join"]
 
 HUGE_MIN = 4 << 20
 """Buffers from this size on are advised (a 2 MiB page only helps a buffer spanning several)."""
@@ -65,6 +65,22 @@ def advise(address: int, length: int) -> None:
     end = (address + length) // _PAGE * _PAGE
     if end > start:
         _madvise(start, end - start, _MADV_HUGEPAGE)  # a refusal (EINVAL, ENOMEM) leaves normal pages
+
+
+def blank_bytes(size: int) -> bytes:
+    """A ``bytes`` object of ``size`` bytes left uninitialised (no pass over its memory).
+
+    For a stand-in whose identity, not contents, matters (:func:`pc_pickle._payload.outer_pieces`); its bytes
+    must never be read.
+
+    Args:
+        size: Its length.
+
+    Returns:
+        The object.
+    """
+    out: bytes = _new_bytes(None, size)
+    return out
 
 
 def join(pieces: Sequence[Any]) -> bytes:

@@ -7,17 +7,20 @@ rebuild function defined in ``__main__`` would be pickled by value and lose its 
 
 from __future__ import annotations
 
+import bisect
 import ctypes
-import io
 import pickle
 from typing import Any
 
-from pc_pickle._bigbuf import HUGE_MIN, advise
+from pc_pickle._bigbuf import HUGE_MIN, advise, blank_bytes
 from pc_pickle._errors import PayloadError
 from pc_pickle._seal import FORMAT_VERSION
 from pc_pickle._tensors import installed_storages, materialize_entry
 
-__all__ = ["FORMAT_VERSION", "Payload", "release_outer", "unpickle"]
+__all__ = ["FORMAT_VERSION", "Chunks", "Payload", "outer_pieces", "release_outer", "unpickle"]
+
+# The C pickler writes a bytes object this large straight to its file, not into a frame (FRAME_SIZE_TARGET).
+_DIRECT = 64 * 1024
 
 
 class Payload:
@@ -36,6 +39,54 @@ class Payload:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_load_payload, (FORMAT_VERSION, self.table, self.graph))
+
+
+class Chunks:
+    """A write-only "file" that keeps the pieces the C pickler writes, joined once at the end.
+
+    The C pickler hands buffers of 64 KiB and more straight to ``write`` (no copy into its own buffer), so a
+    large tensor costs one copy in :func:`pc_pickle.dumps` (the join, into huge pages:
+    :mod:`pc_pickle._bigbuf`) instead of the two or three of ``pickle.dumps``, whose output buffer grows by
+    reallocation.
+    """
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+
+    def write(self, data: Any) -> int:
+        self.parts.append(data)  # kept alive (and unchanged: the dump is synchronous) until the join
+        return len(memoryview(data))
+
+
+def outer_pieces(table: list[tuple[Any, ...]], graph: list[Any]) -> list[Any]:
+    """The pieces of the outer pickle ``_load_payload(FORMAT_VERSION, table, graph bytes)``.
+
+    The graph's bytes are the concatenation of its pieces, but they are not joined into one object here: the
+    outer pickler writes a same-sized stand-in (never read, never filled) straight to the file, and its
+    pieces take the stand-in's place. The bytes are then copied once, by the final join, not twice.
+
+    Args:
+        table: The materialized storage table.
+        graph: The graph's pickle, as pieces.
+
+    Returns:
+        The outer pickle's pieces (bytes, and ``PickleBuffer`` objects of raw storage bytes).
+    """
+    size = sum(memoryview(piece).nbytes for piece in graph)
+    if size >= _DIRECT and all(type(piece) is bytes for piece in graph):
+        stand_in = blank_bytes(size)
+        chunks = Chunks()
+        pickle.Pickler(chunks, protocol=5).dump(Payload(table, stand_in))
+        for at, piece in enumerate(chunks.parts):
+            if piece is stand_in:
+                return [*chunks.parts[:at], *graph, *chunks.parts[at + 1 :]]
+    # Small graphs are copied into the outer pickler's frame anyway (and a stand-in the pickler copied, which
+    # the loop above did not find, is dropped with its pickle).
+    chunks = Chunks()
+    pickle.Pickler(chunks, protocol=5).dump(Payload(table, b"".join(graph)))
+    return chunks.parts
 
 
 class _Unpickler(pickle.Unpickler):
@@ -57,63 +108,56 @@ def _advise_target(target: memoryview) -> None:
         advise(ctypes.addressof(ctypes.c_char.from_buffer(target)), len(target))
 
 
-class _BytesReader(io.BytesIO):
-    """``io.BytesIO`` (which shares a bytes object's buffer) with ``peek``, and a ``readinto`` that advises.
+class _Reader:
+    """A read-only file over a memoryview for the C unpickler that copies nothing: it hands out views.
 
-    With ``peek`` the C unpickler prefetches a window of the stream and parses it in memory, as
-    :func:`pickle.loads` does, instead of calling ``read`` for every opcode. It reads a tensor's raw bytes
-    (``BYTEARRAY8``) with ``readinto`` into a bytearray it has just allocated, which is advised first.
+    The C unpickler asks ``peek`` for a window of the stream, parses it in memory (as :func:`pickle.loads`
+    does), then calls ``read(consumed)`` to step over what it parsed and drops the result. ``peek`` returns
+    the rest of the stream up to the next *stop*, and ``read`` a view: the bytes are parsed in place. (The
+    ``io.BytesIO`` used before copied each 128 KiB window again when it stepped over it, and the nested
+    graph's bytes once more on their way out of the payload: 2 extra copies of the graph per load.)
+
+    The stops are where the raw bytes of large tensor storages begin (the seal's regions). A window ends at
+    one, so the unpickler reads each region whole with ``readinto``, into the fresh ``bytearray`` it
+    allocated for it, advised to use huge pages first (:mod:`pc_pickle._bigbuf`), rather than copying part
+    of it out of a window into 4 KiB pages that each fault in.
+
+    Args:
+        view: The stream, a byte-format memoryview; it must stay unchanged while the unpickler reads it.
+        stops: Offsets in ``view`` where raw regions begin, ascending.
     """
 
-    def __init__(self, data: bytes) -> None:
-        super().__init__(data)
-        self._view = memoryview(data)
+    __slots__ = ("_at", "_stops", "_view")
+
+    def __init__(self, view: memoryview, stops: tuple[int, ...] = ()) -> None:
+        self._view = view
+        self._stops = stops
+        self._at = 0
 
     def peek(self, size: int = 0, /) -> memoryview:
-        at = self.tell()
-        return self._view[at : at + max(size, 1)]
+        at = self._at
+        stops = self._stops
+        index = bisect.bisect_right(stops, at) if stops else 0
+        end = stops[index] if index < len(stops) else len(self._view)
+        return self._view[at:end]  # may be shorter than size: the unpickler then calls read(size)
+
+    def read(self, size: int = -1, /) -> memoryview:
+        at = self._at
+        end = len(self._view) if size < 0 else min(at + size, len(self._view))
+        self._at = end
+        return self._view[at:end]
 
     def readinto(self, buffer: Any, /) -> int:
         target = memoryview(buffer).cast("B")
         _advise_target(target)
-        return super().readinto(target)
-
-
-class _ViewReader:
-    """A read-only file over a memoryview (what the C unpickler uses: read, readinto, readline, peek)."""
-
-    __slots__ = ("_at", "_view")
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._at = 0
-
-    def read(self, size: int = -1) -> bytes:
-        end = len(self._view) if size < 0 else min(self._at + size, len(self._view))
-        chunk = bytes(self._view[self._at : end])
-        self._at = end
-        return chunk
-
-    def peek(self, size: int = 0, /) -> memoryview:
-        return self._view[self._at : self._at + max(size, 1)]
-
-    def readinto(self, buffer: Any) -> int:
-        target = memoryview(buffer).cast("B")
-        _advise_target(target)
-        chunk = self._view[self._at : self._at + len(target)]
+        chunk = self.read(len(target))
         target[: len(chunk)] = chunk
-        self._at += len(chunk)
         return len(chunk)
 
-    def readline(self, size: int = -1) -> bytes:
+    def readline(self, size: int = -1, /) -> bytes:
         rest = self._view[self._at :]
-        end = bytes(rest[: len(rest) if size < 0 else size]).find(b"\n")
-        return self.read(len(rest) if end < 0 else end + 1)
-
-
-def _file_of(data: bytes | bytearray | memoryview) -> Any:
-    # BytesIO shares a bytes object's buffer; other buffers are read in place rather than copied.
-    return _BytesReader(data) if type(data) is bytes else _ViewReader(memoryview(data).cast("B"))
+        found = bytes(rest[: len(rest) if size < 0 else size]).find(b"\n")
+        return bytes(self.read(len(rest) if found < 0 else found + 1))
 
 
 class _ReleaseUnpickler(_Unpickler):
@@ -125,26 +169,37 @@ class _ReleaseUnpickler(_Unpickler):
         return super().find_class(module_name, global_name)
 
 
-def release_outer(data: bytes | bytearray | memoryview) -> None:
+def _reader_of(data: bytes | bytearray | memoryview, stops: tuple[int, ...]) -> Any:
+    # Any: typeshed's unpickler wants read() -> bytes; the C unpickler takes any buffer (views here).
+    view = memoryview(data)
+    return _Reader(view if view.format == "B" and view.ndim == 1 else view.cast("B"), stops)
+
+
+def release_outer(data: bytes | bytearray | memoryview, stops: tuple[int, ...] = ()) -> None:
     """Open every storage of a verified payload and drop it at once, without unpickling the object graph.
+
+    Args:
+        data: The payload.
+        stops: Where its raw regions begin (what :func:`pc_pickle._seal.verify` returns).
 
     Raises:
         PayloadError: For a stream the unpickler rejects.
         SharedHandleError: If a share handle cannot be opened (see :func:`pc_pickle.release`).
     """
     try:
-        _ReleaseUnpickler(_file_of(data)).load()
+        _ReleaseUnpickler(_reader_of(data, stops)).load()
     except PayloadError:
         raise
     except (EOFError, pickle.UnpicklingError) as exc:
         raise PayloadError(f"truncated or corrupt pc_pickle payload ({len(data)} bytes): {exc}") from exc
 
 
-def unpickle(data: bytes | bytearray | memoryview) -> Any:
+def unpickle(data: bytes | bytearray | memoryview, stops: tuple[int, ...] = ()) -> Any:
     """Unpickle one stream with the C unpickler, turning its own errors into :class:`PayloadError`.
 
     Args:
-        data: A pickle stream.
+        data: A pickle stream (read in place: keep it unchanged until this returns).
+        stops: Where raw regions begin in ``data``, read with ``readinto`` (see :class:`_Reader`).
 
     Returns:
         The object.
@@ -155,7 +210,7 @@ def unpickle(data: bytes | bytearray | memoryview) -> Any:
             propagate unchanged.
     """
     try:
-        return _Unpickler(_file_of(data)).load()
+        return _Unpickler(_reader_of(data, stops)).load()
     except PayloadError:
         raise
     except (EOFError, pickle.UnpicklingError) as exc:

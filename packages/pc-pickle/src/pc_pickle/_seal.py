@@ -86,11 +86,15 @@ def _not_ours(data: memoryview, why: str) -> PayloadError:
     )
 
 
-def verify(data: memoryview) -> None:
+def verify(data: memoryview) -> tuple[int, ...]:
     """Check a payload's header, length and checksum; read nothing else.
 
     Args:
         data: The whole payload, as a byte-format memoryview.
+
+    Returns:
+        Where the raw regions begin, as offsets in ``data``, ascending: the loader's reader ends its
+        windows there so that the unpickler reads those bytes straight into their destination.
 
     Raises:
         PayloadError: For bytes not written by pc_pickle, another format version, a truncated or extended
@@ -117,12 +121,14 @@ def verify(data: memoryview) -> None:
     table_at = _BODY_AT + _HEAD.size
     check = 0
     previous = body
+    stops = []
     for i in range(count):
         start, size = _REGION.unpack_from(data, table_at + i * _REGION.size)
         start += body
         if start < previous or start + size > n:
             raise PayloadError(f"corrupt pc_pickle payload header ({n} bytes): region {i} out of order")
         check = zlib.crc32(data[previous:start], check)
+        stops.append(start)
         previous = start + size
     check = zlib.crc32(data[previous:], check)
     check = zlib.crc32(data[_BODY_AT : _BODY_AT + _CRC_AT], check)
@@ -132,3 +138,4 @@ def verify(data: memoryview) -> None:
             f"corrupt pc_pickle payload ({n} bytes): checksum mismatch (stored {crc:#010x}, computed "
             f"{check:#010x}); the bytes changed after they were written"
         )
+    return tuple(stops)
