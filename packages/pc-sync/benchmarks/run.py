@@ -301,7 +301,23 @@ def main() -> None:
             report.row(f"{case}, wall", "BatchNorm2d, replicas", t_plain, baseline=True)
             report.row(f"{case}, wall", "BatchNorm2d, full batch", full)
             ratio_plain, ratio_full = cpu["sync"] / cpu["plain"], cpu["sync"] / cpu["full"]
-            report.target(f"(issue) SyncBN / plain BN, same {n} replicas, {label}", ratio_plain, "<=", 1.3)
+            extra_ms = (cpu["sync"] - cpu["plain"]) * 1e3
+            report.target(
+                f"(issue) SyncBN / plain BN, same {n} replicas, {label}",
+                ratio_plain,
+                "<=",
+                1.3,
+                note=(
+                    f"SyncBN's extra CPU per step here is {extra_ms:.2f} ms on {n} replicas: the per-channel "
+                    "statistics, the master's combination and their backward nodes run as small torch ops "
+                    "from Python once per replica, a cost that does not shrink with the input (the 'fixed "
+                    "cost per layer call' rows measure it on an 8x8x2x2 input); the plain BN step it is "
+                    "divided by no longer starts a thread per replica (kept replica threads), which took the "
+                    "same amount off both sides and so raised the ratio"
+                )
+                if ratio_plain > 1.3
+                else "",
+            )
             if n == 4:
                 report.target(f"(design) SyncBN 4 replicas / full-batch BN, {label}", ratio_full, "<=", 3.5)
 
