@@ -20,7 +20,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -130,16 +130,8 @@ def _report(run: _Run, index: int, device: torch.device | None, outcome: tuple[b
         run.fail(index, device, value)
 
 
-def _worker(
-    run: _Run,
-    index: int,
-    inputs: Any,
-    kwargs: dict[str, Any],
-    device: torch.device | None,
-    stream: torch.cuda.Stream | None,
-    state: _threadstate.ThreadState,
-) -> None:
-    _report(run, index, device, _work(run, index, inputs, kwargs, device, stream, state))
+def _run_task(work: Callable[[], tuple[bool, Any]], report: Callable[[tuple[bool, Any]], None]) -> None:
+    report(work())
 
 
 def _raise_first(run: _Run) -> None:
@@ -199,34 +191,22 @@ def apply_replicas(
     run = _Run(replicas)
     state = _threadstate.capture()
     streams = [_threadstate.current_stream(device) for device in device_list]
+    tasks = [
+        (
+            functools.partial(_work, run, index, inputs[index], kwargs_list[index], device, stream, state),
+            functools.partial(_report, run, index, device),
+        )
+        for index, (device, stream) in enumerate(zip(device_list, streams, strict=True))
+    ]
     if count == 1:
-        _worker(run, 0, inputs[0], kwargs_list[0], device_list[0], streams[0], state)
-    elif threads is not None:
-        for index in range(count):
-            device = device_list[index]
-            threads.submit(
-                functools.partial(
-                    _work, run, index, inputs[index], kwargs_list[index], device, streams[index], state
-                ),
-                functools.partial(_report, run, index, device),
-            )
-        _wait(run, abort_join_timeout)
+        _run_task(*tasks[0])
     else:
-        for index in range(count):
-            threading.Thread(
-                target=_worker,
-                args=(
-                    run,
-                    index,
-                    inputs[index],
-                    kwargs_list[index],
-                    device_list[index],
-                    streams[index],
-                    state,
-                ),
-                name=f"pc-replicate-replica-{index}",
-                daemon=True,
-            ).start()
+        for index, task in enumerate(tasks):
+            if threads is not None:
+                threads.submit(*task)
+            else:
+                name = f"pc-replicate-replica-{index}"
+                threading.Thread(target=_run_task, args=task, name=name, daemon=True).start()
         _wait(run, abort_join_timeout)
     if run.failures:
         _raise_first(run)
