@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -82,3 +85,11 @@ class Wide(nn.Module):
 
     def values(self) -> list[list[float]]:
         return [sorted(set(t.flatten().tolist())) for t in [*self.parameters(), *self.buffers()]]
+
+
+def through_disk(state: dict[str, Any]) -> Any:
+    """``state`` after a round trip through ``torch.save`` / ``torch.load`` (as a checkpoint file would)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
