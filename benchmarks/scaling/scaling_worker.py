@@ -24,11 +24,15 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from pc_distributed import DataParallel, DataParallelOptimizer, World
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "pc-distributed" / "benchmarks"))
+import run_dp
 
 WAIT = 180.0  # seconds for a barrier on a loaded 2-core machine
 WIDTH = 1024  # MLP 512 -> 1024 -> 1024 -> 512: 2.1M parameters (the pc-distributed benchmark's model)
@@ -37,15 +41,8 @@ GRAD = (4, 25_000)  # the gradient server's model: 4 tensors of 25k floats (the 
 
 
 def mlp() -> nn.Module:
-    """The DataParallel model (seeded: the same on every rank)."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(WIDTH // 2, WIDTH),
-        nn.ReLU(),
-        nn.Linear(WIDTH, WIDTH),
-        nn.ReLU(),
-        nn.Linear(WIDTH, WIDTH // 2),
-    )
+    """The DataParallel model, the pc-distributed benchmark's (seeded: the same on every rank)."""
+    return run_dp.mlp(WIDTH)
 
 
 class Blob(nn.Module):
@@ -56,12 +53,30 @@ class Blob(nn.Module):
         self.ps = nn.ParameterList([nn.Parameter(torch.zeros(size)) for _ in range(n)])
 
 
+def grad_server(name: str, group: Any, names: list[str], rank: int) -> Any:
+    """The benchmark's gradient server on ``group``, started: every member a secondary reducer, the primary
+    on ``names[0]``, batches of 4 pushes or 50 ms; rank 0 manages the model (:class:`Blob`, plain SGD)."""
+    from pc_server import PushPullGradServerImpl
+
+    impl = PushPullGradServerImpl(
+        name,
+        group,
+        primary_reducer=names[0],
+        secondary_reducers=names,
+        reduce_batch_size=4,
+        flush_timeout=0.05,
+    )
+    if rank == 0:
+        managed = Blob(*GRAD)
+        impl.manage_model(managed, torch.optim.SGD(managed.parameters(), lr=1e-3))
+    impl.start()
+    return impl
+
+
 class Point:
     """One point N of the axis, on one of its N ranks: its DataParallel and its gradient server."""
 
     def __init__(self, world: World, n: int, rank: int) -> None:
-        from pc_server import PushPullGradServerImpl
-
         self.n, self.rank = n, rank
         self.collective = world.create_collective_group(list(range(n)), timeout=WAIT)  # every rank calls
         if rank >= n:
@@ -74,18 +89,7 @@ class Point:
         self.y = torch.randn(BATCH, WIDTH // 2, generator=g)
         names = [world.name_of(r) for r in range(n)]
         self.group = world.create_rpc_group(f"point{n}", names, timeout=WAIT)
-        self.impl = PushPullGradServerImpl(
-            f"gs{n}",
-            self.group,
-            primary_reducer=names[0],
-            secondary_reducers=names,
-            reduce_batch_size=4,
-            flush_timeout=0.05,
-        )
-        if rank == 0:
-            managed = Blob(*GRAD)
-            self.impl.manage_model(managed, torch.optim.SGD(managed.parameters(), lr=1e-3))
-        self.impl.start()
+        self.impl = grad_server(f"gs{n}", self.group, names, rank)
         self.group.barrier(WAIT)
         self.gs = self.group.get_paired(f"gs{n}").to_here()
         self.model = Blob(*GRAD)

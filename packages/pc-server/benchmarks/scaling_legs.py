@@ -24,28 +24,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 import pc_distributed
 from pc_distributed import run_world
 
-GRAD = (4, 25_000)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks" / "scaling"))
+from scaling_worker import GRAD, Blob, grad_server
+
 WAIT = 120.0
-
-
-class Blob(nn.Module):
-    """``n`` float32 tensors of ``size`` elements."""
-
-    def __init__(self, n: int, size: int) -> None:
-        super().__init__()
-        self.ps = nn.ParameterList([nn.Parameter(torch.zeros(size)) for _ in range(n)])
 
 
 _TIMES: dict[str, list[float]] = defaultdict(list)
@@ -99,26 +94,13 @@ def _instrument() -> None:
 
 def worker(rank: int, pushes: int, reps: int) -> dict[str, Any]:
     """One rank of a point: build the server, push ``pushes`` times per repetition, return the legs' times."""
-    from pc_server import PushPullGradServerImpl
-
     torch.set_num_threads(1)
     _instrument()
     world = pc_distributed.get_world()
     n = world.world_size
     names = [world.name_of(r) for r in range(n)]
     group = world.create_rpc_group("legs", names, timeout=WAIT)
-    impl = PushPullGradServerImpl(
-        "gs",
-        group,
-        primary_reducer=names[0],
-        secondary_reducers=names,
-        reduce_batch_size=4,
-        flush_timeout=0.05,
-    )
-    if rank == 0:
-        managed = Blob(*GRAD)
-        impl.manage_model(managed, torch.optim.SGD(managed.parameters(), lr=1e-3))
-    impl.start()
+    impl = grad_server("gs", group, names, rank)  # the scaling benchmark's, built the same way
     group.barrier(WAIT)
     client = group.get_paired("gs").to_here()
     model = Blob(*GRAD)
