@@ -144,5 +144,27 @@ def test_share_reducers_match_what_torch_registers_globally() -> None:
 
     registered = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     for cls, reducer in _tensors.SHARE_REDUCERS.items():
+        if cls is torch.cuda.Event:
+            continue  # pc's own reducer (torch's is private on some releases): tested below
         assert registered[cls] is reducer, cls
     assert registered[torch.FloatStorage] is reductions.reduce_typed_storage_child
+
+
+def test_cuda_event_reducer_uses_public_event_methods_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch 2.15 made its event reducer private; pc's needs only Event.ipc_handle and Event.from_ipc_handle,
+    # which every supported torch has. A stand-in event keeps this test on CPU.
+    class FakeEvent:
+        device = torch.device("cuda", 1)
+
+        def ipc_handle(self) -> bytes:
+            return b"handle-bytes"
+
+    opened: list[tuple[object, bytes]] = []
+    monkeypatch.setattr(
+        torch.cuda.Event, "from_ipc_handle", staticmethod(lambda d, h: opened.append((d, h)) or "ev")
+    )
+    rebuild, args = _tensors.reduce_cuda_event(FakeEvent())  # type: ignore[arg-type]
+    assert args == (torch.device("cuda", 1), b"handle-bytes")
+    assert rebuild(*args) == "ev"
+    assert opened == [(torch.device("cuda", 1), b"handle-bytes")]
+    assert _tensors.SHARE_REDUCERS[torch.cuda.Event] is _tensors.reduce_cuda_event

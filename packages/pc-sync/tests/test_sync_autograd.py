@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pc_sync import _autograd
 from sync_testutils import bn_pair, replicated
 from torch import nn
 from torch.testing import assert_close
@@ -65,3 +66,21 @@ def test_double_backward_through_a_replica_raises() -> None:
     (dx,) = torch.autograd.grad((y * g).sum(), [x], create_graph=True)
     with pytest.raises(RuntimeError, match=r"once_differentiable|twice"):
         dx.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_fused_affine_is_a_per_channel_multiply_add(dtype: torch.dtype, channels_last: bool) -> None:
+    # The fused pass is batch_norm with var + eps == 1; torch releases that reject eps=0 must still run it,
+    # and the scale 1 / sqrt(var + eps) must be exactly 1 in every dtype (no drift from the plain product).
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(4, 5, 3, 3, generator=gen, dtype=torch.float64).to(dtype)
+    if channels_last:
+        t = t.contiguous(memory_format=torch.channels_last)
+    factor = torch.randn(5, generator=gen, dtype=torch.float64).to(dtype)
+    offset = torch.randn(5, generator=gen, dtype=torch.float64).to(dtype)
+    got = _autograd._affine(t, factor, offset)
+    ref = t.double() * factor.double().view(1, 5, 1, 1) + offset.double().view(1, 5, 1, 1)
+    tol = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)

@@ -72,19 +72,43 @@ def master_store(host: str, port: int, world_size: int, timeout: float) -> Any:
         raise
     fd = sock.detach()  # the store owns the descriptor from here on (it closes it)
     try:
-        return _TCPStore(
-            host,
-            bound_port,
-            world_size,
-            is_master=True,
-            timeout=timedelta(seconds=timeout),
-            wait_for_workers=False,
-            multi_tenant=True,
-            master_listen_fd=fd,
-        )
+        return _serve_on_fd(host, bound_port, world_size, timeout, fd)
     except BaseException:
         os.close(fd)
         raise
+
+
+# Whether this torch's default (libuv) TCPStore server refuses a listening descriptor; None until first tried.
+_listen_fd_needs_legacy: bool | None = None
+
+
+def _serve_on_fd(host: str, port: int, world_size: int, timeout: float, fd: int) -> Any:
+    """A master TCPStore on the bound, listening socket ``fd``.
+
+    Some torch releases (2.4) serve TCPStore with libuv by default and their libuv server cannot take a
+    listening descriptor (``NotImplementedError``, the descriptor left open); the legacy server can. The first
+    call finds out which one this torch needs and later calls go straight to it.
+    """
+    global _listen_fd_needs_legacy
+    options: dict[str, Any] = {
+        "is_master": True,
+        "timeout": timedelta(seconds=timeout),
+        "wait_for_workers": False,
+        "multi_tenant": True,
+        "master_listen_fd": fd,
+    }
+    if not _listen_fd_needs_legacy:
+        try:
+            store = _TCPStore(host, port, world_size, **options)
+        except NotImplementedError:
+            if _listen_fd_needs_legacy is not None:
+                raise
+            logger.debug("TCPStore's libuv server refuses a listening fd here; using the legacy server")
+        else:
+            _listen_fd_needs_legacy = False
+            return store
+        _listen_fd_needs_legacy = True
+    return _TCPStore(host, port, world_size, use_libuv=False, **options)
 
 
 def prefix_store(prefix: str, store: Any) -> Any:

@@ -39,23 +39,40 @@ __all__ = [
     "current_storages",
     "installed_storages",
     "materialize_entry",
+    "rebuild_cuda_event",
+    "reduce_cuda_event",
 ]
 
 # Reduce results are (callable, args) pairs; "Any" because pickle accepts any callable and any argument tuple.
 Reduced = tuple[Callable[..., Any], tuple[Any, ...]]
 
+
+def rebuild_cuda_event(device: Any, handle: bytes) -> torch.cuda.Event:
+    """Open the interprocess CUDA event ``handle`` of ``device`` (the inverse of :func:`reduce_cuda_event`)."""
+    return torch.cuda.Event.from_ipc_handle(device, handle)
+
+
+def reduce_cuda_event(event: torch.cuda.Event) -> Reduced:
+    """Reduce an interprocess ``torch.cuda.Event`` to its IPC handle, with public ``Event`` methods only.
+
+    torch's own event reducer is not public on every supported release (it became private in 2.15), so pc
+    builds the same pair from ``Event.ipc_handle`` and ``Event.from_ipc_handle``, which every release has.
+    """
+    return rebuild_cuda_event, (event.device, event.ipc_handle())
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The share reducers: torch's public reducers, with the mapping `import torch` registers in ForkingPickler for
-# torch >= 2. They are called from this module only; nothing is registered in ForkingPickler or copyreg. A
-# test compares this table with ForkingPickler's so that a torch upgrade that changes the mapping fails
-# loudly.
+# torch >= 2, except events (above). They are called from this module only; nothing is registered in
+# ForkingPickler or copyreg. A test compares this table with ForkingPickler's so that a torch upgrade that
+# changes the mapping fails loudly.
 # ----------------------------------------------------------------------------------------------------------
 SHARE_REDUCERS: dict[type, Callable[[Any], Reduced]] = {
     torch.Tensor: reductions.reduce_tensor,  # CUDA storages, as a uint8 view of the whole storage
     torch.nn.Parameter: reductions.reduce_tensor,
     torch.UntypedStorage: reductions.reduce_storage,  # CPU storages
     torch.TypedStorage: reductions.reduce_typed_storage,  # legacy typed storages, share mode only
-    torch.cuda.Event: reductions.reduce_event,
+    torch.cuda.Event: reduce_cuda_event,
 }
 
 # Table entry tags.
@@ -199,7 +216,7 @@ class StorageTable:
         Returns:
             A reduce tuple.
         """
-        return reductions.reduce_event(event)  # type: ignore[no-untyped-call,no-any-return]
+        return reduce_cuda_event(event)
 
     # -- phase 2 ---------------------------------------------------------------------------------------------
     def materialize(self) -> list[tuple[Any, ...]]:
