@@ -83,3 +83,26 @@ def test_master_store_closes_the_socket_when_both_servers_fail(monkeypatch: pyte
         _torch_dist.master_store("127.0.0.1", 0, 1, 5.0)
     with pytest.raises(OSError):
         os.fstat(Refuses.fds[0])
+
+
+@pytest.mark.parametrize("agent_env", [{}, {"TORCHELASTIC_USE_AGENT_STORE": "True"}])
+def test_open_store_gives_the_same_unprefixed_client_on_every_torch(
+    monkeypatch: pytest.MonkeyPatch, agent_env: dict[str, str]
+) -> None:
+    # torch 2.4's tcp:// handler, when an agent serves the store, needed TORCHELASTIC_RESTART_COUNT (every
+    # run_world rank failed with KeyError) and prefixed the keys; the World opens a plain client itself.
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    for key, value in agent_env.items():
+        monkeypatch.setenv(key, value)
+    server = _torch_dist.master_store("127.0.0.1", 0, 2, 30.0)
+    client = _torch_dist.open_store(f"tcp://127.0.0.1:{_torch_dist.store_port(server)}", 1, 2, 30.0)
+    assert _torch_dist.store_port(client) == _torch_dist.store_port(server)
+    client.set("plain", b"1")
+    assert server.get("plain") == b"1"  # no prefix between the client and the server
+
+
+def test_open_store_leaves_other_urls_to_torchs_handlers(tmp_path: Any) -> None:
+    store = _torch_dist.open_store(f"file://{tmp_path / 'store'}", 0, 1, 30.0)
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+    assert _torch_dist.store_port(store) is None

@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,24 @@ logger = logging.getLogger(__name__)
 
 
 def open_store(url: str, rank: int, world_size: int, timeout: float) -> Any:
-    """Open the rendezvous store of ``url`` (rank 0 serves it unless an agent does)."""
+    """Open the rendezvous store of ``url`` as a client (the store is served by rank 0 or by an agent).
+
+    A plain ``tcp://host:port`` gets a ``TCPStore`` client made here: torch's ``tcp://`` handler differs
+    between releases when an agent serves the store (torch 2.4 requires ``TORCHELASTIC_RESTART_COUNT`` and
+    wraps the client in a ``/worker/attempt_N`` prefix, later releases do neither), and the World scopes its
+    keys itself. Other URLs (``env://``, ``file://``, a ``tcp://`` URL with options) go through torch's
+    rendezvous handlers.
+    """
+    parsed = urlparse(url)
+    if parsed.scheme == "tcp" and not parsed.query and parsed.hostname and parsed.port:
+        return _TCPStore(
+            parsed.hostname,
+            parsed.port,
+            world_size,
+            is_master=False,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
     rendezvous = _rendezvous(url, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     store, _, _ = next(rendezvous)
     store.set_timeout(timedelta(seconds=timeout))
