@@ -177,6 +177,36 @@ def tests(session: nox.Session) -> None:
     _pytest(session, *[f"packages/{p}/tests" for p in PACKAGES], "tests-integration", marker="not multihost")
 
 
+# The support matrix (docs/support.md): the floor, the torch current GPU images ship, and the newest release,
+# each on a Python it publishes wheels for. The pinned CPU build (constraints/cpu.txt) on Python 3.11 is the
+# fourth point: every other session. Moving the floor or adding a release changes only this list.
+COMPAT_MATRIX = [("2.4.1", "3.10"), ("2.11.0", "3.11"), ("2.15.0", "3.13")]
+
+
+@nox.session(name="compat")
+@nox.parametrize(("torch", "python"), COMPAT_MATRIX)
+def compat(session: nox.Session, torch: str) -> None:
+    """Every package's tests (not ``gpu``, not ``multihost``) on one torch release of the support matrix.
+
+    The release comes from the package index (a CUDA build where the index serves one; it runs on CPU).
+    uv does not read pip's global constraint file, so a release newer than a machine's pip cap installs.
+    """
+    session.install(f"torch=={torch}", *[str(PACKAGES_DIR / p) for p in PACKAGES], *TEST_TOOLS, "scipy>=1.9")
+    session.run(
+        "python",
+        "-c",
+        f"import torch, sys; sys.exit(0 if torch.__version__.startswith('{torch}') "
+        f"else 'wanted torch {torch}, got ' + torch.__version__)",
+        silent=True,
+    )
+    _pytest(
+        session,
+        *[f"packages/{p}/tests" for p in PACKAGES],
+        "tests-integration/test_integration_imports.py",
+        marker="not gpu and not multihost",
+    )
+
+
 @nox.session
 def integration(session: nox.Session) -> None:
     """Cross-package tests through the public APIs."""

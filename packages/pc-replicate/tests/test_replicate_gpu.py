@@ -84,7 +84,7 @@ def test_cuda_replica_error_is_raised(two_gpus: None) -> None:
 
     with pytest.raises(ValueError, match="cuda:1 failed") as info:
         ReplicationCallbackDataParallel(Fails(), [0, 1])(torch.randn(4, 2, device="cuda:0"))
-    assert any("replica 1" in note for note in getattr(info.value, "__notes__", ["replica 1"]))
+    assert any("replica 1" in note for note in getattr(info.value, "__notes__", []))
 
 
 def test_fp16_autocast_reaches_the_replicas(two_gpus: None) -> None:

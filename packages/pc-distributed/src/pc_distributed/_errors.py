@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 import traceback
 
-__all__ = ["RankDiedError", "RemoteTraceback", "portable_exception", "reraise_remote"]
+__all__ = ["RankDiedError", "RemoteTraceback", "add_note", "portable_exception", "reraise_remote"]
 
 
 class RemoteTraceback(Exception):  # noqa: N818 - named like concurrent.futures.process._RemoteTraceback
@@ -83,6 +83,21 @@ def reraise_remote(exc: BaseException, text: str, where: str) -> BaseException:
         ``exc``, ready for ``raise``.
     """
     exc.__cause__ = RemoteTraceback(text)
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"(raised in {where})")
+    add_note(exc, f"(raised in {where})")
     return exc
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` (PEP 678), also on Python 3.10.
+
+    Python 3.11 and newer have ``BaseException.add_note`` and print the notes under the traceback; on 3.10
+    the note is appended to ``exc.__notes__`` directly, where code (and tests) can read it, though 3.10's
+    traceback printer does not show it.
+    """
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+        return
+    try:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+    except AttributeError:  # an exception type with __slots__ and no __dict__: nowhere to keep it
+        pass

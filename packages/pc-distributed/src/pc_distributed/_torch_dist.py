@@ -58,13 +58,10 @@ def open_store(url: str, rank: int, world_size: int, timeout: float) -> Any:
     """
     parsed = urlparse(url)
     if parsed.scheme == "tcp" and not parsed.query and parsed.hostname and parsed.port:
+        # wait_for_workers (the default) makes the client count itself in at once: a request, so a server
+        # that accepts and never answers is found here, inside the caller's bound, as with torch's handler.
         return _TCPStore(
-            parsed.hostname,
-            parsed.port,
-            world_size,
-            is_master=False,
-            timeout=timedelta(seconds=timeout),
-            wait_for_workers=False,
+            parsed.hostname, parsed.port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
         )
     rendezvous = _rendezvous(url, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     store, _, _ = next(rendezvous)

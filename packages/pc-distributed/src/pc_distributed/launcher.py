@@ -29,7 +29,13 @@ from typing import Any
 import torch
 
 from pc_distributed import _torch_dist
-from pc_distributed._errors import RankDiedError, format_exception, portable_exception, reraise_remote
+from pc_distributed._errors import (
+    RankDiedError,
+    add_note,
+    format_exception,
+    portable_exception,
+    reraise_remote,
+)
 
 __all__ = ["run_world"]
 
@@ -289,8 +295,8 @@ def _collect(procs: list[Any], conns: list[Any], deadline: float, timeout: float
         notes = [f"rank {r}: {type(e).__name__}: {e}" for r, e in failures[1:]]
         if pending:
             notes.append(f"ranks {sorted(pending)} were killed after the failure of rank {rank}")
-        if notes and hasattr(exc, "add_note"):
-            exc.add_note("other ranks: " + "; ".join(notes))
+        if notes:
+            add_note(exc, "other ranks: " + "; ".join(notes))
         exc.run_world_results = dict(results)  # type: ignore[attr-defined]
         raise exc
     if pending:

@@ -60,9 +60,14 @@ def _is_secondary(exc: BaseException) -> bool:
 
 def _annotate(exc: BaseException, index: int, device: torch.device | None) -> BaseException:
     where = f"in replica {index}" + (f" on device {device}" if device is not None else "")
-    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
-    if callable(add_note):
-        add_note(f"pc_replicate: raised {where}")
+    note = f"pc_replicate: raised {where}"
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10: PEP 678's attribute, which 3.10's traceback printer does not show
+        try:
+            exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
     return exc
 
 
