@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+
 from pc_distributed import _torch_dist
 
 

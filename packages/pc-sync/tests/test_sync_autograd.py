@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pc_sync import _autograd
 from sync_testutils import bn_pair, replicated
 from torch import nn
 from torch.testing import assert_close
+
+from pc_sync import _autograd
 
 
 def _inputs(shape: tuple[int, ...], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

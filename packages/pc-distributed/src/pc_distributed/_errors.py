@@ -7,6 +7,7 @@ type and a :class:`RemoteTraceback` as ``__cause__``.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import traceback
 
@@ -97,7 +98,5 @@ def add_note(exc: BaseException, note: str) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(note)
         return
-    try:
-        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
-    except AttributeError:  # an exception type with __slots__ and no __dict__: nowhere to keep it
-        pass
+    with contextlib.suppress(AttributeError):  # no __dict__ (a __slots__ type): nowhere to keep it
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]

@@ -48,8 +48,8 @@ Reduced = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
 def rebuild_cuda_event(device: Any, handle: bytes) -> torch.cuda.Event:
-    """Open the interprocess CUDA event ``handle`` of ``device`` (the inverse of :func:`reduce_cuda_event`)."""
-    return torch.cuda.Event.from_ipc_handle(device, handle)
+    """Open the interprocess CUDA event ``handle`` on ``device`` (inverse of :func:`reduce_cuda_event`)."""
+    return torch.cuda.Event.from_ipc_handle(device, handle)  # type: ignore[no-untyped-call,no-any-return]
 
 
 def reduce_cuda_event(event: torch.cuda.Event) -> Reduced:
@@ -58,7 +58,7 @@ def reduce_cuda_event(event: torch.cuda.Event) -> Reduced:
     torch's own event reducer is not public on every supported release (it became private in 2.15), so pc
     builds the same pair from ``Event.ipc_handle`` and ``Event.from_ipc_handle``, which every release has.
     """
-    return rebuild_cuda_event, (event.device, event.ipc_handle())
+    return rebuild_cuda_event, (event.device, event.ipc_handle())  # type: ignore[no-untyped-call]
 
 
 # ----------------------------------------------------------------------------------------------------------

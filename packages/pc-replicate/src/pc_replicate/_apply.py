@@ -16,6 +16,7 @@ the caller's current stream on it. The threads are started for the call, or take
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -64,10 +65,8 @@ def _annotate(exc: BaseException, index: int, device: torch.device | None) -> Ba
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     else:  # Python 3.10: PEP 678's attribute, which 3.10's traceback printer does not show
-        try:
+        with contextlib.suppress(AttributeError):  # no __dict__: nowhere to keep it
             exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
-        except AttributeError:
-            pass
     return exc
 
 
