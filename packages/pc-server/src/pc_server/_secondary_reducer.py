@@ -137,10 +137,12 @@ class SecondaryReducer(ReducerRole[Queued]):
                 "pending": [[it.version, it.grads, it.client] for it in self.queue.pending()],
             }
 
-    def load(self, state: object) -> Callable[[], None]:
-        """Validate :meth:`state`'s output; return the step that restores it (before the server starts).
+    def check_load(self, state: object) -> tuple[Callable[[], None], list[Queued]]:
+        """Validate :meth:`state`'s output; change nothing yet (the caller validates every role first).
 
-        Nothing changes until the returned callable runs, so the caller can validate every role first.
+        Returns:
+            The step that restores the dedup table and the known head, and the held pushes to queue again
+            (:meth:`restore_pending`).
 
         Raises:
             ValueError: A malformed entry, named in the message.
@@ -157,12 +159,10 @@ class SecondaryReducer(ReducerRole[Queued]):
 
         def restore() -> None:
             with self.ledger.lock, self._lock:
-                self._last_seq = table
+                self._last_seq = dict(table)
                 self._known_head = head
-                for item in pending:  # forwarded once the server starts, as if they had just arrived
-                    self.queue.put(item)
 
-        return restore
+        return restore, pending
 
     def say_done(self) -> None:
         """Tell the primary this secondary forwarded everything (after :meth:`stop`)."""
