@@ -172,3 +172,48 @@ def test_a_scheduler_of_another_type_is_refused(impls: list[PushPullGradServerIm
         ValueError, match=r"lr_scheduler state does not fit: missing keys \[\], unknown keys .*step_size"
     ):
         reader.load_state_dict(untyped)
+
+
+def test_a_client_ahead_of_a_restored_server_pulls_its_model_and_its_ahead_push_is_refused(
+    impls: list[PushPullGradServerImpl],
+) -> None:
+    def build(hub: Hub, state: Any = None) -> tuple[PushPullGradServerImpl, ThreeLayer]:
+        impl = PushPullGradServerImpl(
+            "gs", hub.group("0"), secondary_reducers=["0"], reduce_batch_size=1, flush_timeout=None
+        )
+        impls.append(impl)
+        managed = ThreeLayer()
+        impl.manage_model(managed, _sgd(managed.parameters()))
+        if state is not None:
+            impl.load_state_dict(state)
+        impl.start()
+        return impl, managed
+
+    hub = Hub(["0", "1"])
+    old, _managed = build(hub)
+    checkpoint = through_disk(old.state_dict())  # version 0
+    client = hub.group("1").get_paired("gs").to_here()
+    model = ThreeLayer()
+    _push_ones(client, 3)
+    assert old.wait_for_version(3, WAIT)
+    assert client.pull(model)
+    assert (model.pp_version, model.weights()) == (3, (-2.0, -1.0, 0.0))
+
+    hub = Hub(["0", "1"])
+    restored, managed = build(hub, checkpoint)
+    client = hub.group("1").get_paired("gs").to_here()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    assert client.push(model) is False  # computed on version 3, which this server never published
+    assert (model.pp_version, model.weights()) == (0, (1.0, 2.0, 3.0))  # the closing pull brought version 0
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    assert client.push(model) is True
+    restored.stop(timeout=WAIT)
+    mine = restored.ledger().clients[client.client_id]
+    assert (mine.refused_stale, mine.accepted, mine.applied) == (1, 1, 1)
+    assert managed.weights() == (0.0, 1.0, 2.0)
+
+    model.pp_version = 5  # kept across a restore: pull() alone brings the server's model too
+    assert client.pull(model)
+    assert (model.pp_version, model.weights()) == (1, (0.0, 1.0, 2.0))

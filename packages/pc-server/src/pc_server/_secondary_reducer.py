@@ -85,8 +85,9 @@ class SecondaryReducer(ReducerRole[Queued]):
     def accept(self, message: GradMessage) -> tuple[bool, int]:
         """Book and queue one client push; return ``(accepted, head)``.
 
-        A retry of the last ``(client, seq)`` is answered as the first time and not queued again; an older seq
-        and a push more than ``max_staleness`` behind are refused.
+        A retry of the last ``(client, seq)`` is answered as the first time and not queued again; an older
+        seq, a push more than ``max_staleness`` behind and one computed on a version ahead of the head are
+        refused.
 
         Raises:
             ReducerStoppedError: The reducer stopped or failed.
@@ -116,7 +117,8 @@ class SecondaryReducer(ReducerRole[Queued]):
                 self.ledger.record("duplicates", {message.client: 1})
                 return (last_accepted if message.seq == last_seq else False), head
             stale = self.config.max_staleness
-            if stale is not None and head - message.version > stale:
+            # ahead of the head: a version this server never published (only a co-located primary tells)
+            if message.version > head or (stale is not None and head - message.version > stale):
                 self._last_seq[message.client] = (message.seq, False)
                 self.ledger.record("refused_stale", {message.client: 1})
                 return False, head

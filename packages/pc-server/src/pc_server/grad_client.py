@@ -229,7 +229,8 @@ class PushPullGradServer:
 
         Returns:
             ``True`` if a reducer accepted the gradients; ``False`` if it refused them as too stale
-            (``max_staleness``) or as a duplicate.
+            (``max_staleness``), as computed on a version ahead of the server's (a model kept across a
+            restore from an older checkpoint), or as a duplicate.
 
         Raises:
             TypeError: ``model`` is not a module or ``pp_version`` is not an int.
@@ -278,7 +279,12 @@ class PushPullGradServer:
         return self._call(service, (GradMessage(pack(grads, copy=local), client, seq, version), REDUCE_SLAVE))
 
     def pull(self, model: nn.Module) -> bool:
-        """Clear the model's gradients (set to ``None``) and load the newest model if it is newer.
+        """Clear the model's gradients (set to ``None``) and load the server's model if its version differs.
+
+        The server's model is loaded when ``model.pp_version`` is behind it, absent, or ahead of it (a model
+        kept across a server restored from an older checkpoint; loading it costs a second call then), so that
+        the next gradients are computed on the server's model. ``manage_model`` publishes version 0, so a
+        first pull returns ``True`` as soon as the primary manages its model.
 
         Args:
             model: The model.
@@ -292,4 +298,4 @@ class PushPullGradServer:
             TimeoutError: It did not answer within the RPC timeout.
         """
         check_model(model).zero_grad(set_to_none=True)
-        return pull_model(self.o_server, self.model_name, model)
+        return pull_model(self.o_server, self.model_name, model, exact=True)
