@@ -63,6 +63,10 @@ class PushPullGradServerImpl:
     :class:`~pc_server.PushPullGradServer` accessor under ``server_name``. No strict order is guaranteed:
     pushes return once queued and are applied in a later batch.
 
+    Safe to share between threads: the lifecycle calls (:meth:`manage_model`, :meth:`load_state_dict`,
+    :meth:`start`, :meth:`stop`) exclude each other, and the rest read under the reducers' locks
+    (:meth:`state_dict` is of one step while the server runs).
+
     Warning:
         ``DistributedDataParallel`` models are not supported (the state dict is loaded after creation).
 
@@ -242,9 +246,10 @@ class PushPullGradServerImpl:
                 f"process {self.config.me!r} is not the primary reducer ({self.primary_reducer!r}) "
                 "and cannot manage the model"
             )
-        if self._started:
-            raise RuntimeError("manage_model() must be called before start()")
-        self._primary.manage(model, optimizer, lr_scheduler)
+        with self._lock:  # start() and load_state_dict() wait: never a model swapped under them
+            if self._started or self._stopped:
+                raise RuntimeError("manage_model() must be called before start()")
+            self._primary.manage(model, optimizer, lr_scheduler)
 
     def start(self) -> None:
         """Start this process's reducer threads (idempotent).
