@@ -73,6 +73,9 @@ class PushCounts:
 class GradLedger:
     """A snapshot of the ledger: totals and per-client counts (clients keyed by their ``client_id``).
 
+    A value: every ``ledger()`` call returns a new one that shares nothing with the server, so any thread may
+    read it; :meth:`PushCounts.add` mutates its own object only.
+
     Attributes:
         total: The counts over all clients.
         clients: Per-client counts.

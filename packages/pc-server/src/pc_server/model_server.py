@@ -114,7 +114,9 @@ def pull_model(
 class PushPullModelServer:
     """Accessor to a :class:`PushPullModelServerImpl`: push and pull whole models by ``pp_version``.
 
-    Get it with ``group.get_paired(server_name).to_here()``; it is picklable.
+    Get it with ``group.get_paired(server_name).to_here()``; it is picklable. Safe to share between threads
+    (it holds no state of its own); a model given to :meth:`push` or :meth:`pull` must not be used by another
+    thread meanwhile.
 
     Args:
         model_name: The model's key in the ordered server.
@@ -182,7 +184,8 @@ class PushPullModelServerImpl:
 
     Create it on the serving process only, a member of ``group``. Unless ``o_server`` is given it hosts an
     :class:`OrderedServerSimpleImpl` named ``server_name + "_o_server"``; it pairs a
-    :class:`PushPullModelServer` accessor under ``server_name``.
+    :class:`PushPullModelServer` accessor under ``server_name``. Safe to share between threads (its hosted
+    ordered server is).
 
     Args:
         server_name: Name of this server, used to pair the accessor in ``group``.
