@@ -23,7 +23,7 @@ import nox
 ROOT = Path(__file__).resolve().parent
 PACKAGES_DIR = ROOT / "packages"
 PACKAGES = sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml").is_file())
-TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "psutil>=5.9"]
+TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "psutil>=5.9", "hypothesis>=6.100"]
 # Test-only needs beyond a package's runtime closure; local names are installed from packages/.
 EXTRA_TEST_DEPS: dict[str, list[str]] = {
     "pc-sync": ["pc-replicate"],

@@ -297,13 +297,20 @@ def test_grad_checkpoint_pending_entries_are_validated(impls: list[PushPullGradS
     model = ThreeLayer()
     impl.manage_model(model, PlainSGD(model.parameters()))
     push = [0, pack({n: torch.ones_like(p) for n, p in model.named_parameters()}), "c"]
+    one = {**dict.fromkeys(good["ledger"]["total"], 0), "accepted": 1}
+    held = {
+        **good,
+        "secondary": {**good["secondary"], "pending": [push]},
+        "ledger": {"total": one, "clients": {"c": one}},
+    }
     bad_model = {**good["primary"], "model": {"fc9.weight": torch.ones(1, 1)}}
     with pytest.raises(ValueError, match="model state does not fit"):
-        impl.load_state_dict(
-            {**good, "primary": bad_model, "secondary": {**good["secondary"], "pending": [push]}}
-        )
+        impl.load_state_dict({**held, "primary": bad_model})
     assert impl.state_dict()["secondary"]["pending"] == []
-    impl.load_state_dict({**good, "secondary": {**good["secondary"], "pending": [push]}})
+    # a ledger that does not account for the held push is refused too
+    with pytest.raises(ValueError, match="holds 1 pushes of client 'c' but its ledger counts 0 pending"):
+        impl.load_state_dict({**held, "ledger": good["ledger"]})
+    impl.load_state_dict(held)
     assert len(impl.state_dict()["secondary"]["pending"]) == 1
 
 

@@ -145,6 +145,12 @@ class BatchQueue(Generic[T]):
         with self._cond:
             return [*self._held, *(item for _ts, item in self._items)]
 
+    def remove(self, items: list[T]) -> None:
+        """Remove these very items (compared by identity) from the waiting ones, wherever they are."""
+        ids = {id(item) for item in items}
+        with self._cond:
+            self._items = deque((ts, item) for ts, item in self._items if id(item) not in ids)
+
     def drain(self) -> list[T]:
         """Remove and return the held batch and every waiting item (oldest first), e.g. after a failure."""
         with self._cond:

@@ -14,19 +14,22 @@ Layout (``torch.save``-able)::
 reduced): a checkpoint of a running server is taken under the step lock and the ledger's lock, so each push
 the ledger counts as accepted here is either booked (applied or dropped) or in ``pending``, and a restored
 server re-queues ``pending`` when it starts. Checkpoints written before ``pending`` existed load as if it were
-empty.
+empty. The primary also records ``optimizer_type`` and ``lr_scheduler_type`` (``module.QualName``); a
+checkpoint without them is checked by its keys alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from typing import Any
 
 from pc_server._checkpoint import check_state, header
 from pc_server._primary_reducer import PrimaryReducer
+from pc_server._reducer_base import Forward, Queued, forward_clients
 from pc_server._secondary_reducer import SecondaryReducer
 from pc_server.grad_config import GradServerConfig
-from pc_server.ledger import LedgerBook
+from pc_server.ledger import GradLedger, LedgerBook
 
 __all__ = ["GRAD_FORMAT", "grad_state", "load_grad_state"]
 
@@ -71,17 +74,29 @@ def load_grad_state(
     secondary: SecondaryReducer | None,
     ledger: LedgerBook,
     state: object,
+    since: GradLedger,
 ) -> None:
-    """Validate ``state`` against this process's roles, then restore it.
+    """Validate all of ``state`` against this process's roles and managed objects, then restore it.
 
-    The secondary's part and the ledger are validated before anything changes; the primary's part is loaded
-    into the managed objects (its errors name the part that does not fit), then the secondary's and the
-    ledger are restored.
+    Nothing changes unless the whole checkpoint fits: the envelope, the ledger (and whether it agrees with
+    the held pushes), the secondary's part and the primary's (model keys and shapes, optimizer and scheduler
+    type and keys) are checked first. Loading replaces the state: the held pushes a previous load queued
+    are replaced too, so loading the same checkpoint twice equals loading it once.
+
+    Args:
+        config: The server's settings.
+        primary: The primary role of this process, if any.
+        secondary: The secondary role of this process, if any.
+        ledger: The process's ledger.
+        state: The checkpoint.
+        since: The ledger as the previous load left it (empty before any): if pushes were booked since,
+            loading would erase them, so it is refused.
 
     Raises:
-        TypeError: ``state`` is not a dict, or holds state a managed object cannot load.
-        ValueError: Another server's or role's checkpoint, or a malformed entry (named in the message).
-        RuntimeError: On the primary, no model is managed yet, or the restored version was refused.
+        TypeError: ``state`` is not a dict, or its optimizer or scheduler is of another type.
+        ValueError: Another server's or role's checkpoint, or an entry that does not fit (named).
+        RuntimeError: On the primary, no model is managed yet; pushes were booked since the last load; or the
+            restored version was refused (then the managed objects are as before).
     """
     state = check_state(state, GRAD_FORMAT, ("server_name", "model_name", "primary", "secondary", "ledger"))
     for key in ("server_name", "model_name"):
@@ -100,11 +115,50 @@ def load_grad_state(
             )
     if primary is not None and primary.model is None:
         raise RuntimeError("call manage_model() before load_state_dict(): the primary holds no model yet")
+    if ledger.snapshot() != since:
+        raise RuntimeError(
+            f"gradient server {config.server_name!r}: {config.me!r} booked pushes since it was built or last "
+            "loaded; loading now would erase them. Load before clients push."
+        )
     probe = LedgerBook()
-    probe.load(state["ledger"])  # validated before anything changes
-    restore_secondary = secondary.load(state["secondary"]) if secondary is not None else None  # validates
-    if primary is not None:
-        primary.load(state["primary"])
-    if restore_secondary is not None:
-        restore_secondary()
-    ledger.load(state["ledger"])
+    probe.load(state["ledger"])
+    restore_secondary, held = (
+        secondary.check_load(state["secondary"]) if secondary is not None else (None, [])
+    )
+    load_primary, bundles = primary.check_load(state["primary"]) if primary is not None else (None, [])
+    _check_held(config, probe.snapshot(), held, bundles)
+    # everything fits: load (the primary's part puts its objects back and raises if it fails)
+    if load_primary is not None:
+        load_primary()
+    with ledger.lock:
+        ledger.load(state["ledger"])
+        if secondary is not None and restore_secondary is not None:
+            restore_secondary()
+            secondary.restore_pending(held)
+        if primary is not None:
+            primary.restore_pending(bundles)
+
+
+def _check_held(
+    config: GradServerConfig, ledger: GradLedger, held: list[Queued], bundles: list[tuple[Forward, float]]
+) -> None:
+    """Check that the ledger accounts for the held pushes (as far as one process's ledger can tell).
+
+    A process that is the server's only reducer books every push it holds as pending; a secondary that is
+    not the primary holds at most the pushes its ledger counts as pending (the rest it forwarded).
+
+    Raises:
+        ValueError: A client whose held pushes the ledger does not account for (named).
+    """
+    counts: Counter[str] = Counter(item.client for item in held)
+    for forward, _age in bundles:
+        counts.update(forward_clients(forward))
+    pending = {c: n.pending for c, n in ledger.clients.items()}
+    sole = config.is_primary and config.secondary_reducers == (config.me,)
+    for client in sorted(counts.keys() | ({c for c, n in pending.items() if n} if sole else set())):
+        have, booked = counts[client], pending.get(client, 0)
+        if (have != booked) if sole else (not config.is_primary and have > booked):
+            raise ValueError(
+                f"gradient server {config.server_name!r}: the checkpoint holds {have} pushes of client "
+                f"{client!r} but its ledger counts {booked} pending"
+            )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from pc_server._checkpoint import check_int
 from pc_server._copy import snapshot
+from pc_server._fit import check_loadable, check_model_state, type_name
 from pc_server._packing import Packed, unpack
 from pc_server._reduce import Partial, finalize, merge_partials
 from pc_server._reducer_base import (
@@ -188,19 +190,26 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
                 "steps": self.steps,
                 "model": snapshot(self.model.state_dict()),
                 "optimizer": _state_of(self.optimizer),
+                "optimizer_type": type_name(self.optimizer),
                 "lr_scheduler": _state_of(self.lr_scheduler),
+                "lr_scheduler_type": type_name(self.lr_scheduler),
                 "pending": [
                     {v: [packed, count, dict(per)] for v, (packed, count, per) in fwd.partials.items()}
                     for fwd, _age in self.queue.pending()
                 ],
             }
 
-    def load(self, state: object) -> None:
-        """Restore :meth:`state`'s output into the managed objects and publish its version (before start).
+    def check_load(self, state: object) -> tuple[Callable[[], None], list[tuple[Forward, float]]]:
+        """Validate :meth:`state`'s output against the managed objects; change nothing yet.
+
+        Returns:
+            The step that loads the model, optimizer and scheduler state and publishes the version (it puts
+            everything back and raises if any of that fails), and the held bundles to queue again
+            (:meth:`restore_pending`).
 
         Raises:
-            RuntimeError: No model is managed yet, or the ordered server refused the restored version.
-            TypeError: The checkpoint holds optimizer or scheduler state that the managed one cannot load.
+            RuntimeError: No model is managed yet.
+            TypeError: The checkpoint's optimizer or scheduler is of another type than the managed one.
             ValueError: A malformed entry, or state that does not fit the managed objects (named).
         """
         model = self.model
@@ -210,21 +219,50 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
             raise ValueError(f"primary state must hold version, steps and model, got {state!r:.200}")
         version = check_int("primary version", state["version"])
         steps = check_int("primary steps", state["steps"])
-        _load_into("optimizer", self.optimizer, state.get("optimizer"))
-        _load_into("lr_scheduler", self.lr_scheduler, state.get("lr_scheduler"))
-        pending = [_bundle(i, entry) for i, entry in enumerate(state.get("pending", []))]
-        _load_into("model", model, state["model"])
-        for forward in pending:  # applied once the server starts, as if they had just arrived
-            self.queue.put((forward, 0.0))
-        prev = self.version
-        with self.step_lock, self.health.cond:
-            self.version, self.steps = version, steps
-        set_pp_version(model, version)
-        if not self._publish(version, prev):
-            raise RuntimeError(
-                f"gradient server {self.config.server_name!r}: publishing the restored version {version} of "
-                f"{self.config.model_name!r} was refused; another process writes the same key"
+        check_model_state(model, state["model"])
+        parts = {"optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
+        for what, obj in parts.items():
+            check_loadable(what, obj, state.get(what), state.get(f"{what}_type"))
+        pending = [(_bundle(i, entry), 0.0) for i, entry in enumerate(state.get("pending", []))]
+
+        def load() -> None:
+            self._load_managed(
+                model, {what: state.get(what) for what in parts}, state["model"], version, steps
             )
+
+        return load, pending
+
+    def _load_managed(
+        self, model: nn.Module, states: dict[str, Any], model_state: Any, version: int, steps: int
+    ) -> None:
+        """Load the checkpoint into the managed objects and publish its version; all or nothing."""
+        parts = [("model", model, model_state)]
+        parts += [(what, getattr(self, what), states[what]) for what in ("optimizer", "lr_scheduler")]
+        touched: list[tuple[str, Any, Any]] = []  # (what, object, its state before), loaded or being loaded
+        prev = (self.version, self.steps)
+        try:
+            for what, obj, state in parts:
+                if state is not None:
+                    touched.append((what, obj, _state_of(obj)))
+                    _load_into(what, obj, state)
+            with self.step_lock, self.health.cond:
+                self.version, self.steps = version, steps
+            set_pp_version(model, version)
+            if not self._publish(version, prev[0]):
+                raise RuntimeError(
+                    f"gradient server {self.config.server_name!r}: publishing the restored version {version} "
+                    f"of {self.config.model_name!r} was refused; another process writes the same key"
+                )
+        except BaseException:
+            for what, obj, saved in reversed(touched):
+                try:
+                    obj.load_state_dict(saved)
+                except Exception as undo:  # the load's own error is the one raised; this one is logged
+                    logger.error("the managed %s could not be put back as it was: %r", what, undo)
+            with self.step_lock, self.health.cond:
+                self.version, self.steps = prev
+            set_pp_version(model, prev[0])
+            raise
 
     def _step(self, grads: dict[str, torch.Tensor]) -> None:
         model = self.model
@@ -294,15 +332,10 @@ def _state_of(obj: Any) -> Any:
 
 
 def _load_into(what: str, obj: Any, state: Any) -> None:
-    """Load a checkpointed state dict into the managed ``obj``; mismatches name ``what``."""
-    loader = getattr(obj, "load_state_dict", None)
+    """Load a checkpointed state dict (checked by ``pc_server._fit``) into the managed ``obj``."""
     if state is None:
-        if callable(loader):
-            raise ValueError(f"the checkpoint holds no {what} state but the managed {what} has one")
         return
-    if not callable(loader):
-        raise TypeError(f"the checkpoint holds {what} state but the managed {what} cannot load_state_dict()")
     try:
-        loader(state)
+        obj.load_state_dict(state)
     except (RuntimeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"the checkpoint's {what} state does not fit the managed {what}: {exc}") from exc

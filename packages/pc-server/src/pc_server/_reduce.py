@@ -124,19 +124,22 @@ def merge_partials(
 def drop_stale(
     groups: Mapping[int, Partial], head: int, max_staleness: int | None
 ) -> tuple[dict[int, Partial], int]:
-    """Drop the groups computed on versions more than ``max_staleness`` behind ``head``.
+    """Drop the groups computed on versions more than ``max_staleness`` behind ``head``, or ahead of it.
+
+    A version ahead of the head was never published by this server (a client that kept its model across a
+    restore from an older checkpoint computed it), so its gradients fit no model the server holds.
 
     Args:
         groups: Version to partial.
         head: The current model version.
-        max_staleness: The bound, or ``None`` for unbounded (nothing is dropped).
+        max_staleness: The bound, or ``None`` for unbounded (no group is too old).
 
     Returns:
         The kept groups and the number of *pushes* dropped.
     """
-    if max_staleness is None:
-        return dict(groups), 0
-    kept = {v: g for v, g in groups.items() if head - v <= max_staleness}
+    kept = {
+        v: g for v, g in groups.items() if v <= head and (max_staleness is None or head - v <= max_staleness)
+    }
     dropped = sum(g.pushes for v, g in groups.items() if v not in kept)
     return kept, dropped
 

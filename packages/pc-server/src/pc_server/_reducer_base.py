@@ -134,6 +134,7 @@ class ReducerRole(Generic[T]):
             lock=ledger.lock,
         )
         self._thread: threading.Thread | None = None
+        self._restored: list[T] = []  # what the last restore_pending() queued
         health.on_failure(self.queue.close)
 
     # ------------------------------------------------------------------ what a role defines
@@ -158,6 +159,17 @@ class ReducerRole(Generic[T]):
     ) -> Booking | None:
         """Hand on the fresh groups of ``batch``; return what to book for them (``None``: nothing here)."""
         raise NotImplementedError
+
+    def restore_pending(self, items: list[T]) -> None:
+        """Queue a checkpoint's held items in place of what the previous restore queued (before start).
+
+        Loading the same checkpoint twice therefore queues its items once; items that arrived otherwise stay.
+        """
+        with self.ledger.lock:
+            self.queue.remove(self._restored)
+            for item in items:
+                self.queue.put(item)
+            self._restored = list(items)
 
     # ------------------------------------------------------------------ the thread
     def start(self) -> None:

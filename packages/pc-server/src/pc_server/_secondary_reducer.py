@@ -85,8 +85,9 @@ class SecondaryReducer(ReducerRole[Queued]):
     def accept(self, message: GradMessage) -> tuple[bool, int]:
         """Book and queue one client push; return ``(accepted, head)``.
 
-        A retry of the last ``(client, seq)`` is answered as the first time and not queued again; an older seq
-        and a push more than ``max_staleness`` behind are refused.
+        A retry of the last ``(client, seq)`` is answered as the first time and not queued again; an older
+        seq, a push more than ``max_staleness`` behind and one computed on a version ahead of the head are
+        refused.
 
         Raises:
             ReducerStoppedError: The reducer stopped or failed.
@@ -116,7 +117,8 @@ class SecondaryReducer(ReducerRole[Queued]):
                 self.ledger.record("duplicates", {message.client: 1})
                 return (last_accepted if message.seq == last_seq else False), head
             stale = self.config.max_staleness
-            if stale is not None and head - message.version > stale:
+            # ahead of the head: a version this server never published (only a co-located primary tells)
+            if message.version > head or (stale is not None and head - message.version > stale):
                 self._last_seq[message.client] = (message.seq, False)
                 self.ledger.record("refused_stale", {message.client: 1})
                 return False, head
@@ -137,10 +139,12 @@ class SecondaryReducer(ReducerRole[Queued]):
                 "pending": [[it.version, it.grads, it.client] for it in self.queue.pending()],
             }
 
-    def load(self, state: object) -> Callable[[], None]:
-        """Validate :meth:`state`'s output; return the step that restores it (before the server starts).
+    def check_load(self, state: object) -> tuple[Callable[[], None], list[Queued]]:
+        """Validate :meth:`state`'s output; change nothing yet (the caller validates every role first).
 
-        Nothing changes until the returned callable runs, so the caller can validate every role first.
+        Returns:
+            The step that restores the dedup table and the known head, and the held pushes to queue again
+            (:meth:`restore_pending`).
 
         Raises:
             ValueError: A malformed entry, named in the message.
@@ -157,12 +161,10 @@ class SecondaryReducer(ReducerRole[Queued]):
 
         def restore() -> None:
             with self.ledger.lock, self._lock:
-                self._last_seq = table
+                self._last_seq = dict(table)
                 self._known_head = head
-                for item in pending:  # forwarded once the server starts, as if they had just arrived
-                    self.queue.put(item)
 
-        return restore
+        return restore, pending
 
     def say_done(self) -> None:
         """Tell the primary this secondary forwarded everything (after :meth:`stop`)."""

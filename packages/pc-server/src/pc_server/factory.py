@@ -26,7 +26,7 @@ class ServerTuple(tuple):  # type: ignore[type-arg]
     """The tuple of accessors a helper returns, plus the Impls this process hosts.
 
     It is a plain tuple of accessors (index it, unpack it); :attr:`impls` keeps the hosted servers alive and
-    :meth:`stop` stops the gradient reducers among them.
+    :meth:`stop` stops the gradient reducers among them. Safe to share between threads (the Impls are).
     """
 
     impls: tuple[Any, ...]

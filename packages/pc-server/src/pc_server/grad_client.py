@@ -11,7 +11,9 @@ already received, so a lost reply never applies a push twice), then once on the 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import uuid
 import zlib
 from typing import Any, NamedTuple
@@ -91,6 +93,12 @@ class PushPullGradServer:
     Get it with ``group.get_paired(server_name).to_here()``; it is picklable, and each unpickled copy is a
     separate client (its own identity and sequence numbers).
 
+    Safe to share between threads: a push takes the next sequence number and sends the message it labels
+    under the accessor's lock, so each secondary sees one client's pushes in sequence order and never takes
+    a concurrent push for a retry. The threads' sends are therefore one at a time (the closing pull is not
+    serialised); a thread that wants its own sends in parallel uses an accessor of its own (``to_here()``
+    again). A model passed to :meth:`push` or :meth:`pull` must not be used by another thread meanwhile.
+
     Args:
         server_name: The gradient server's name.
         group: The RpcGroup of the reducers.
@@ -127,11 +135,18 @@ class PushPullGradServer:
         self._client: str | None = None
         self._seq = 0
         self._next: int | None = None
+        # held while a push takes its seq and is sent: per client, a secondary sees seqs in order
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
+        del state["_lock"]
         state.update(_client=None, _seq=0, _next=None)  # every copy is a new client
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (
@@ -150,11 +165,16 @@ class PushPullGradServer:
         """
         if isinstance(seed, bool) or not isinstance(seed, (int, str)):
             raise TypeError(f"seed must be an int or a str, got {type(seed).__name__}")
-        self._next = zlib.crc32(str(seed).encode()) % len(self._services)
+        with self._lock:
+            self._next = zlib.crc32(str(seed).encode()) % len(self._services)
 
     @property
     def client_id(self) -> str:
         """This accessor's client identity, the key of its entry in :meth:`ledger` (fixed at first use)."""
+        with self._lock:
+            return self._client_id()
+
+    def _client_id(self) -> str:  # under self._lock
         if self._client is None:
             self._client = f"{self.group.get_cur_name()}/{uuid.uuid4().hex[:12]}"
         return self._client
@@ -188,9 +208,10 @@ class PushPullGradServer:
 
     def next_secondary(self) -> str:
         """The secondary reducer the next push goes to (without advancing the rotation)."""
-        return self.secondary_reducers[self._peek()]
+        with self._lock:
+            return self.secondary_reducers[self._peek()]
 
-    def _peek(self) -> int:
+    def _peek(self) -> int:  # under self._lock
         if self._next is None:
             self._next = zlib.crc32(self.group.get_cur_name().encode()) % len(self._services)
         return self._next
@@ -208,7 +229,8 @@ class PushPullGradServer:
 
         Returns:
             ``True`` if a reducer accepted the gradients; ``False`` if it refused them as too stale
-            (``max_staleness``) or as a duplicate.
+            (``max_staleness``), as computed on a version ahead of the server's (a model kept across a
+            restore from an older checkpoint), or as a duplicate.
 
         Raises:
             TypeError: ``model`` is not a module or ``pp_version`` is not an int.
@@ -220,37 +242,49 @@ class PushPullGradServer:
         check_model(model)
         grads = collect_grads(model)
         version = get_pp_version(model)
+        with self._lock:  # the seq and the message it labels, sent before the next push takes a seq
+            reply = self._send(grads, version)
+        self.pull(model)
+        return bool(reply[0])
+
+    def _send(self, grads: dict[str, torch.Tensor], version: int) -> Any:
+        """Send one push under the new seq (call under ``self._lock``): the reducer's reply."""
         self._seq += 1
+        seq, client = self._seq, self._client_id()
         first = self._peek()
         self._next = (first + 1) % len(self._services)
         # the same secondary first (its dedup table makes the retry safe), then the next one
         attempts = (
             [first, first] if len(self._services) == 1 else [first, first, (first + 1) % len(self._services)]
         )
-        reply: Any = None
-        for i, index in enumerate(attempts):
-            service = self._services[index]
-            # Over RPC the serialisation is the copy the reducer keeps, so large CPU gradients are sent as
-            # they are; a reducer in this process keeps the very tensors, so it gets a private copy.
-            local = find_local(self.group, service) is not None
-            message = GradMessage(pack(grads, copy=local), self.client_id, self._seq, version)
+        for index, retry in itertools.pairwise(attempts):
             try:
-                reply = self._call(service, (message, REDUCE_SLAVE))
-                break
+                return self._send_to(index, grads, client, seq, version)
             except ConnectionError:
-                if i + 1 == len(attempts):
-                    raise
                 logger.warning(
                     "gradient server %r: secondary %r unreachable, retrying (same seq) on %r",
                     self.server_name,
                     self.secondary_reducers[index],
-                    self.secondary_reducers[attempts[i + 1]],
+                    self.secondary_reducers[retry],
                 )
-        self.pull(model)
-        return bool(reply[0])
+        return self._send_to(attempts[-1], grads, client, seq, version)
+
+    def _send_to(
+        self, index: int, grads: dict[str, torch.Tensor], client: str, seq: int, version: int
+    ) -> Any:
+        service = self._services[index]
+        # Over RPC the serialisation is the copy the reducer keeps, so large CPU gradients are sent as they
+        # are; a reducer in this process keeps the very tensors, so it gets a private copy.
+        local = find_local(self.group, service) is not None
+        return self._call(service, (GradMessage(pack(grads, copy=local), client, seq, version), REDUCE_SLAVE))
 
     def pull(self, model: nn.Module) -> bool:
-        """Clear the model's gradients (set to ``None``) and load the newest model if it is newer.
+        """Clear the model's gradients (set to ``None``) and load the server's model if its version differs.
+
+        The server's model is loaded when ``model.pp_version`` is behind it, absent, or ahead of it (a model
+        kept across a server restored from an older checkpoint; loading it costs a second call then), so that
+        the next gradients are computed on the server's model. ``manage_model`` publishes version 0, so a
+        first pull returns ``True`` as soon as the primary manages its model.
 
         Args:
             model: The model.
@@ -264,4 +298,4 @@ class PushPullGradServer:
             TimeoutError: It did not answer within the RPC timeout.
         """
         check_model(model).zero_grad(set_to_none=True)
-        return pull_model(self.o_server, self.model_name, model)
+        return pull_model(self.o_server, self.model_name, model, exact=True)

@@ -63,6 +63,10 @@ class PushPullGradServerImpl:
     :class:`~pc_server.PushPullGradServer` accessor under ``server_name``. No strict order is guaranteed:
     pushes return once queued and are applied in a later batch.
 
+    Safe to share between threads: the lifecycle calls (:meth:`manage_model`, :meth:`load_state_dict`,
+    :meth:`start`, :meth:`stop`) exclude each other, and the rest read under the reducers' locks
+    (:meth:`state_dict` is of one step while the server runs).
+
     Warning:
         ``DistributedDataParallel`` models are not supported (the state dict is loaded after creation).
 
@@ -137,6 +141,7 @@ class PushPullGradServerImpl:
         self._started = False
         self._stopped = False
         self._ledger = LedgerBook()
+        self._loaded = GradLedger()  # the ledger as the last load_state_dict() left it
         self._health = ReducerHealth()
         self._primary = (
             PrimaryReducer(cfg, self._ledger, self._health, o_server, o_server_impl)
@@ -241,9 +246,10 @@ class PushPullGradServerImpl:
                 f"process {self.config.me!r} is not the primary reducer ({self.primary_reducer!r}) "
                 "and cannot manage the model"
             )
-        if self._started:
-            raise RuntimeError("manage_model() must be called before start()")
-        self._primary.manage(model, optimizer, lr_scheduler)
+        with self._lock:  # start() and load_state_dict() wait: never a model swapped under them
+            if self._started or self._stopped:
+                raise RuntimeError("manage_model() must be called before start()")
+            self._primary.manage(model, optimizer, lr_scheduler)
 
     def start(self) -> None:
         """Start this process's reducer threads (idempotent).
@@ -356,14 +362,20 @@ class PushPullGradServerImpl:
     def load_state_dict(self, state: Any) -> None:
         """Restore this process's :meth:`state_dict` after :meth:`manage_model` and before :meth:`start`.
 
-        The primary loads into the managed objects and publishes the restored version for clients to pull.
+        The whole checkpoint is checked first (the envelope, the ledger and the pushes it holds, the model's
+        keys and shapes, the optimizer's and scheduler's types and keys); one that does not fit whole is
+        refused and nothing changes. Loading replaces the state, so loading the same checkpoint twice equals
+        loading it once. The primary loads into the managed objects and publishes the restored version for
+        clients to pull.
 
         Args:
             state: The checkpoint this reducer (same server name, same roles) wrote.
 
         Raises:
-            RuntimeError: The server already started or stopped, or (primary) no model is managed yet.
-            TypeError: ``state`` is not a dict, or holds state a managed object cannot load.
+            RuntimeError: The server already started or stopped, (primary) no model is managed yet, or this
+                process booked pushes since it was built or last loaded (a load would erase them).
+            TypeError: ``state`` is not a dict, or its optimizer or scheduler is of another type than the
+                managed one (named), or holds state a managed object cannot load.
             ValueError: Another server's or role's checkpoint, or entries that do not fit (named).
         """
         with self._lock:  # start() waits: a running server is never loaded into
@@ -371,7 +383,8 @@ class PushPullGradServerImpl:
                 raise RuntimeError(
                     f"gradient server {self.server_name!r}: load_state_dict() must be called before start()"
                 )
-            load_grad_state(self.config, self._primary, self._secondary, self._ledger, state)
+            load_grad_state(self.config, self._primary, self._secondary, self._ledger, state, self._loaded)
+            self._loaded = self._ledger.snapshot()
 
     # ------------------------------------------------------------------ services
     def _push_service(self, payload: Any, level: int) -> Any:

@@ -73,6 +73,9 @@ class PushCounts:
 class GradLedger:
     """A snapshot of the ledger: totals and per-client counts (clients keyed by their ``client_id``).
 
+    A value: every ``ledger()`` call returns a new one that shares nothing with the server, so any thread may
+    read it; :meth:`PushCounts.add` mutates its own object only.
+
     Attributes:
         total: The counts over all clients.
         clients: Per-client counts.
@@ -152,12 +155,18 @@ class LedgerBook:
         """Replace the counts with :meth:`state`'s output.
 
         Raises:
-            ValueError: A missing or unknown field, a negative or non-int count (named in the message).
+            ValueError: A missing or unknown field, a negative or non-int count (named in the message), or a
+                total that is not the sum of the clients' counts.
         """
         if not isinstance(state, Mapping) or not isinstance(state.get("clients"), Mapping):
             raise ValueError(f"ledger state must be {{'total': ..., 'clients': {{...}}}}, got {state!r}")
         total = _counts("ledger total", state.get("total"))
         clients = {str(c): _counts(f"ledger of client {c!r}", n) for c, n in state["clients"].items()}
+        summed = PushCounts()
+        for counts in clients.values():
+            summed.add(counts)
+        if summed != total:
+            raise ValueError(f"ledger total {total} is not the sum of its clients' counts {summed}")
         with self.lock:
             self._ledger = GradLedger(total, clients)
 

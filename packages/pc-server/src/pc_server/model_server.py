@@ -71,13 +71,17 @@ def push_model(o_server: OrderedServerBase, model_name: str, model: nn.Module, p
     return False
 
 
-def pull_model(o_server: OrderedServerBase, model_name: str, model: nn.Module) -> bool:
+def pull_model(
+    o_server: OrderedServerBase, model_name: str, model: nn.Module, *, exact: bool = False
+) -> bool:
     """Load the newest state of ``model_name`` into ``model`` if it is newer than ``model.pp_version``.
 
     Args:
         o_server: The ordered server accessor.
         model_name: The key.
         model: The model.
+        exact: Load the server's state whenever its version differs from ``model.pp_version``, also when the
+            model's is ahead (the gradient client: its gradients must be computed on the server's model).
 
     Returns:
         ``False`` if the server holds no model yet, else ``True``.
@@ -85,19 +89,23 @@ def pull_model(o_server: OrderedServerBase, model_name: str, model: nn.Module) -
     known = getattr(model, "pp_version", None)
     if known is not None:
         known = get_pp_version(model)
+    found: tuple[Any, Any] | None
     if isinstance(o_server, OrderedServerSimple):
         reply = o_server.pull_if_newer(model_name, known)
         if reply is None:
             return False
         if reply.fresh:
-            load_snapshot(model, reply.value)
-            set_pp_version(model, reply.version)
-        return True
-    found = o_server.pull(model_name)
+            found = (reply.value, reply.version)
+        elif exact and reply.version != known:  # the model is ahead: a second call brings the server's state
+            found = o_server.pull(model_name)
+        else:
+            return True
+    else:
+        found = o_server.pull(model_name)
     if found is None:
         return False
     state, version = found
-    if is_newer(version, known):
+    if is_newer(version, known) or (exact and version != known):
         load_snapshot(model, state)
         set_pp_version(model, version)
     return True
@@ -106,7 +114,9 @@ def pull_model(o_server: OrderedServerBase, model_name: str, model: nn.Module) -
 class PushPullModelServer:
     """Accessor to a :class:`PushPullModelServerImpl`: push and pull whole models by ``pp_version``.
 
-    Get it with ``group.get_paired(server_name).to_here()``; it is picklable.
+    Get it with ``group.get_paired(server_name).to_here()``; it is picklable. Safe to share between threads
+    (it holds no state of its own); a model given to :meth:`push` or :meth:`pull` must not be used by another
+    thread meanwhile.
 
     Args:
         model_name: The model's key in the ordered server.
@@ -174,7 +184,8 @@ class PushPullModelServerImpl:
 
     Create it on the serving process only, a member of ``group``. Unless ``o_server`` is given it hosts an
     :class:`OrderedServerSimpleImpl` named ``server_name + "_o_server"``; it pairs a
-    :class:`PushPullModelServer` accessor under ``server_name``.
+    :class:`PushPullModelServer` accessor under ``server_name``. Safe to share between threads (its hosted
+    ordered server is).
 
     Args:
         server_name: Name of this server, used to pair the accessor in ``group``.

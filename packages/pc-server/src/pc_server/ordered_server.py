@@ -85,7 +85,8 @@ class OrderedServerSimple(OrderedServerBase):
     In the server's own process (an accessor on the live group the Impl serves) they call the Impl directly,
     with the copies a serialisation would make, instead of an RPC to the process itself.
 
-    Get it with ``group.get_paired(server_name).to_here()`` or build it directly; it is picklable.
+    Get it with ``group.get_paired(server_name).to_here()`` or build it directly; it is picklable. Safe to
+    share between threads: it holds only the server's name and group.
 
     Args:
         server_name: The name the Impl was created with.
@@ -191,7 +192,8 @@ class OrderedServerSimpleImpl:
     Semantics: the first push of a key always succeeds; later pushes succeed iff ``prev_version`` equals the
     newest version; ``version == prev_version`` overwrites the newest entry; re-using a version that is still
     stored is refused; at most ``version_depth`` versions per key are kept (1 keeps only the newest). Pulls
-    are snapshots. State lives in this process's memory only.
+    are snapshots. State lives in this process's memory only. Safe to share between threads: every
+    compare-and-set, pull and content swap is one step under the store's lock.
 
     Args:
         server_name: Name of this server, used to pair the accessor in ``group``.
