@@ -143,15 +143,12 @@ def copy_in(nbytes: int, chunk: int, buffers: Sequence[B], start: Callable[[int,
     if not buffers:
         raise ValueError("copy_in needs at least one buffer")
     depth = len(buffers)
-    in_flight: list[Waitable | None] = [None] * depth
+    in_flight: collections.deque[Waitable] = collections.deque()  # oldest first
     try:
         for k, (at, n) in enumerate(spans(nbytes, chunk)):
-            slot = k % depth
-            previous = in_flight[slot]
-            if previous is not None:
-                in_flight[slot] = None
-                previous.synchronize()
-            in_flight[slot] = start(at, n, buffers[slot])
+            if len(in_flight) == depth:  # the oldest copy still reads the buffer this chunk needs
+                in_flight.popleft().synchronize()
+            in_flight.append(start(at, n, buffers[k % depth]))
     finally:
         _wait_all(in_flight)
 
