@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args.md.parent.mkdir(parents=True, exist_ok=True)
     args.md.write_text(gpu_markdown(runs))
     print(f"wrote {args.md} from {len(runs)} GPU run(s)")
-    return 1 if args.source and not fresh else 0
+    return 1 if args.source and not fresh and not args.no_store else 0
 
 
 if __name__ == "__main__":

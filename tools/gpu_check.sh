@@ -115,11 +115,13 @@ PYEOF
     done
     return $rc
 }
-step wheels 90 install_wheels
+export PY WHEELS DEPS
+export -f install_wheels
+step wheels 90 bash -c install_wheels
 
 # pytest.ini asks for pytest-timeout's ini keys under --strict-config: without the plugin, drop the strict
 # config check (the keys only warn then) and rely on this step's own timeout.
-PYTEST_OPTS=(-m gpu -p no:cacheprovider --continue-on-collection-errors --junitxml "$OUT_DIR/gpu-tests.xml")
+PYTEST_OPTS=(-m gpu --continue-on-collection-errors --junitxml "$OUT_DIR/gpu-tests.xml")
 if ! "$PY" -c "import pytest_timeout" 2>/dev/null; then
     PYTEST_OPTS+=(-o "addopts=-ra --strict-markers -p no:cacheprovider")
     echo "pytest-timeout missing: per-test timeouts off, the step's timeout bounds the tests" | tee -a "$SUMMARY"
