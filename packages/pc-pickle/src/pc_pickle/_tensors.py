@@ -60,7 +60,9 @@ Reduced = tuple[Callable[..., Any], tuple[Any, ...]]
 
 def rebuild_cuda_event(device: Any, handle: bytes) -> torch.cuda.Event:
     """Open the interprocess CUDA event ``handle`` of ``device`` (inverse of :func:`reduce_cuda_event`)."""
-    return torch.cuda.Event.from_ipc_handle(device, handle)
+    open_handle: Any = torch.cuda.Event.from_ipc_handle  # Any: untyped on some torch releases
+    event: torch.cuda.Event = open_handle(device, handle)
+    return event
 
 
 def reduce_cuda_event(event: torch.cuda.Event) -> Reduced:
@@ -69,7 +71,8 @@ def reduce_cuda_event(event: torch.cuda.Event) -> Reduced:
     torch's own event reducer is not public on every supported release (it became private in 2.15), so pc
     builds the same pair from ``Event.ipc_handle`` and ``Event.from_ipc_handle``, which every release has.
     """
-    return rebuild_cuda_event, (event.device, event.ipc_handle())
+    ipc_handle: Any = event.ipc_handle  # Any: untyped on some torch releases
+    return rebuild_cuda_event, (event.device, ipc_handle())
 
 
 # ----------------------------------------------------------------------------------------------------------
