@@ -571,3 +571,33 @@ def test_cuda_pickler_copy_to_a_file_is_exact() -> None:
     buf = io.BytesIO()
     pc_pickle.Pickler(buf, copy_tensor=True).dump(tensor)
     assert torch.equal(pc_pickle.loads(buf.getvalue()), tensor)
+
+
+@pytest.mark.parametrize("path", ["dumps", "Pickler", "loads"])
+def test_a_copy_failing_mid_way_raises_and_returns_its_buffers(
+    path: str, cpu_staging: BufferPool[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensor = torch.randn(1 << 20)  # 4 MiB: 16 chunks of 256 KiB
+    payload = pc_pickle.dumps(tensor) if path == "loads" else b""
+    calls = 0
+
+    def failing_event() -> DoneEvent:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("device copy failed")
+        return DoneEvent()
+
+    run: Callable[[], object] = {
+        "dumps": lambda: pc_pickle.dumps(tensor),
+        "Pickler": lambda: pc_pickle.Pickler(io.BytesIO(), copy_tensor=True).dump(tensor),
+        "loads": lambda: pc_pickle.loads(payload),
+    }[path]
+    monkeypatch.setattr(_tensors, "_record_event", failing_event)
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        run()
+    assert calls == 3
+    assert cpu_staging.allocated_bytes > 0
+    assert cpu_staging.free_slots * 2 * cpu_staging.chunk_bytes == cpu_staging.allocated_bytes
+    monkeypatch.setattr(_tensors, "_record_event", DoneEvent)
+    assert torch.equal(pc_pickle.loads(pc_pickle.dumps(tensor)), tensor)  # the pool still works

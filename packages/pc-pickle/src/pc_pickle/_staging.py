@@ -293,7 +293,8 @@ def resolve(piece: Any) -> Any:
     """
     placeholder = deferred_of(piece)
     if placeholder is not None and not placeholder.filled:
-        with memoryview(placeholder) as view:
-            placeholder.fill(view)
+        # Not released with `with`: a filler that failed may still hold an export of the view (a tensor over
+        # it in its traceback), and releasing then would hide its error behind a BufferError.
+        placeholder.fill(memoryview(placeholder))
         placeholder.filled = True
     return piece
