@@ -40,7 +40,7 @@ def main() -> None:
         report.note("CUDA benchmarks skipped: no CUDA device on this machine")
         report.finish(args)
         return
-    repeat, number = (3, 10) if args.quick else (7, 50)
+    repeat, number = (3, 10) if args.quick else (9, 100)  # a step is ~0.2 ms: launch-bound, noisy
     report.note(
         f"CUDA: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
         f"min over {repeat} interleaved rounds of the mean of {number} calls"
