@@ -5,7 +5,8 @@ its own small pinned buffer, synchronously), and a copy into a fresh host buffer
 payload costs a second full-size copy. The copy path of :mod:`pc_pickle._tensors` instead moves a large CUDA
 storage in chunks through a few pinned buffers: the asynchronous copy of chunk k+1 runs while chunk k is
 copied from its pinned buffer straight into the final payload (:func:`copy_out`), and on load chunks are
-copied into pinned buffers and sent to the device asynchronously, with one wait at the end (:func:`copy_in`).
+copied into pinned buffers and sent to the device asynchronously, a buffer refilled once its last copy is
+done and the rest waited for at the end (:func:`copy_in`).
 
 This module knows nothing of CUDA: the copies, the events they return and the buffer allocator are
 parameters, so the chunk planning, the pipelining and the pool are tested on the CPU with ordinary buffers
