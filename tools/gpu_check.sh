@@ -5,7 +5,7 @@
 #
 # For a machine with torch (CUDA build), pytest and a GPU, and no network. It needs only this repository and
 # the wheels that tools/gpu_prepare.sh put in .gpu-wheels/ (or $PC_GPU_WHEELS): they are installed with
-# `pip install --no-index --no-deps --target` into OUT_DIR/deps (or unzipped there without pip), which goes
+# `pip install --no-index --no-deps --target` into a temporary folder (or unzipped there without pip), which goes
 # on PYTHONPATH with every packages/*/src; nothing is installed into the machine's Python. Every step runs
 # even when an earlier one failed, each bounded by `timeout` and by the overall deadline.
 #
@@ -29,7 +29,7 @@ SUMMARY=$OUT_DIR/summary.txt
 : >"$SUMMARY"
 
 cd "$ROOT" || exit 1
-DEPS=$OUT_DIR/deps
+DEPS=${PC_GPU_DEPS:-$(mktemp -d -t pc-gpu-deps.XXXXXX)}  # outside OUT_DIR: not sent back with the results
 PYTHONPATH=$(ls -d "$ROOT"/packages/*/src | paste -sd:):$DEPS${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONPATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 
