@@ -191,6 +191,7 @@ class Report:
                 "platform": platform.platform(),
                 "cpus": os.cpu_count(),
                 "torch": _torch_version(),
+                "gpu": _gpu_name(),
             },
             "rows": [asdict(r) for r in self.rows],
             "targets": [asdict(t) for t in self.targets],
@@ -209,3 +210,11 @@ class Report:
 def _torch_version() -> str | None:
     torch = sys.modules.get("torch")
     return getattr(torch, "__version__", None)
+
+
+def _gpu_name() -> str | None:
+    """The first CUDA device's name when this run used CUDA (a run that did not initialise CUDA says None)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return str(torch.cuda.get_device_name(0))

@@ -183,14 +183,15 @@ def fragments_from_report(report: str) -> dict[str, str]:
 def write_gpu_fragment() -> None:
     """Write ``docs/bench-tables/gpu.md`` from the CUDA benchmarks' JSON kept in ``docs/assets/bench/gpu/``.
 
-    GPU runs happen on another machine (``run_cuda.py`` scripts with ``--out``); their JSON is committed there
-    and this table is made from it, so the Benchmarks page never carries a typed GPU number.
+    GPU runs happen on another machine (``tools/gpu_check.sh``); their JSON is brought back and kept there
+    by ``benchmarks/gpu_report.py``, and this table is made from it, so the Benchmarks page never carries a
+    typed GPU number (and says "not yet measured" when there is none).
     """
+    from gpu_report import gpu_markdown
+
     results = [json.loads(p.read_text()) for p in sorted(GPU_RESULTS.glob("*.json"))]
-    for res in results:
-        res.setdefault("errors", [])
     FRAGMENTS.mkdir(parents=True, exist_ok=True)
-    (FRAGMENTS / "gpu.md").write_text(markdown(results, plots=False, issue=False))
+    (FRAGMENTS / "gpu.md").write_text(gpu_markdown(results))
 
 
 def write_fragments(report: str) -> None:

@@ -292,3 +292,62 @@ def test_bench_committed_scaling_results_hold_every_curve_and_its_plot() -> None
         assert c["x"] == ([1, 2, 4] if c["axis"] == "processes" else [1, 2, 3])
         assert (ROOT / "docs" / "assets" / "bench" / run_all.curve_plot_name(c)).exists()
     assert sorted(t["name"] for t in result["targets"]) == sorted(names)
+
+
+def test_bench_gpu_table_says_not_measured_without_gpu_json(tmp_path: Path) -> None:
+    run_all = _run_all()
+    run_all.FRAGMENTS = tmp_path / "tables"
+    run_all.GPU_RESULTS = tmp_path / "none"
+    run_all.write_gpu_fragment()
+    text = (tmp_path / "tables" / "gpu.md").read_text()
+    assert "Not yet measured on a GPU" in text
+    assert "|" not in text  # no table, no number
+
+
+def test_bench_gpu_report_keeps_measured_runs_and_leaves_out_a_run_without_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _run_all()
+    import gpu_report  # benchmarks/ is on sys.path once run_all is loaded
+
+    check = tmp_path / "bench"
+    check.mkdir()
+    (check / "pc-pool-cuda.json").write_text(
+        json.dumps({"package": "pc-pool", "rows": [], "targets": [], "notes": ["no CUDA device"]})
+    )
+    measured = {
+        "package": "pc-sync",
+        "environment": {"gpu": "Some GPU", "torch": "2.11", "python": "3.12", "cpus": 16},
+        "rows": [
+            {
+                "case": "(cuda) step",
+                "impl": "SyncBN2d",
+                "value": 0.002,
+                "unit": "s",
+                "baseline": False,
+                "ratio": 1.02,
+                "higher_is_better": False,
+            }
+        ],
+        "targets": [
+            {
+                "name": "(cuda) step vs BN",
+                "measured": 1.02,
+                "op": "<=",
+                "bound": 1.05,
+                "unit": "x",
+                "met": True,
+                "note": "",
+            }
+        ],
+        "notes": [],
+    }
+    (check / "pc-sync-cuda.json").write_text(json.dumps(measured))
+    monkeypatch.setattr(gpu_report.run_all, "GPU_RESULTS", tmp_path / "kept")
+    assert gpu_report.main(["--from", str(check), "--md", str(tmp_path / "gpu.md")]) == 0
+    kept = sorted(p.name for p in (tmp_path / "kept").iterdir())
+    assert kept == ["pc-sync-cuda.json"]
+    assert "Some GPU, tools/gpu_check.sh" in json.loads((tmp_path / "kept" / kept[0]).read_text())["run_at"]
+    text = (tmp_path / "gpu.md").read_text()
+    assert "| pc-sync | (cuda) step vs BN | 1.02x | <= 1.05x | yes |" in text
+    assert "pc-pool" not in text

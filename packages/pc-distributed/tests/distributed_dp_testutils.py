@@ -364,9 +364,13 @@ def daso_worker(rank: int, epochs: int, batches_per_epoch: int) -> dict[str, Any
     return {"phases": phases, "losses": losses, "agree": agree, "params": flat.tolist(), "epoch": daso.epoch}
 
 
-def dp_gpu_worker(rank: int) -> list[float]:
-    """CUDA + NCCL: blocking DataParallel keeps the ranks identical."""
-    device = torch.device("cuda", rank)
+def dp_gpu_worker(rank: int, device_index: int | None = None) -> list[float]:
+    """CUDA: blocking DataParallel keeps the ranks identical.
+
+    ``device_index=None`` puts rank r on cuda:r (NCCL, one GPU per rank); an index puts every rank on that one
+    GPU (gloo, which accepts ranks that share a device).
+    """
+    device = torch.device("cuda", rank if device_index is None else device_index)
     torch.cuda.set_device(device)
     torch.manual_seed(rank)
     net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)).to(device)
@@ -380,9 +384,13 @@ def dp_gpu_worker(rank: int) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).cpu().tolist()
 
 
-def daso_gpu_worker(rank: int) -> list[float]:
-    """CUDA + NCCL: DASO with one GPU per node ends every epoch with identical parameters."""
-    device = torch.device("cuda", rank)
+def daso_gpu_worker(rank: int, device_index: int | None = None) -> list[float]:
+    """CUDA: DASO with one GPU per node ends every epoch with identical parameters.
+
+    ``device_index=None`` puts rank r on cuda:r (NCCL, one GPU per rank); an index puts every rank on that one
+    GPU (gloo, which accepts ranks that share a device).
+    """
+    device = torch.device("cuda", rank if device_index is None else device_index)
     torch.cuda.set_device(device)
     torch.manual_seed(rank)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)).to(device)

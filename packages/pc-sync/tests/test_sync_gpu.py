@@ -1,6 +1,8 @@
-"""CUDA paths: real DataParallel on 2 GPUs, autocast, channels_last, abort, nn.SyncBatchNorm under DDP.
+"""CUDA paths: real DataParallel, autocast, channels_last, abort, nn.SyncBatchNorm under DDP.
 
-Every test here carries the ``gpu`` marker (skipped without CUDA) and skips itself with fewer than 2 devices.
+Every test here carries the ``gpu`` marker (skipped without CUDA). The replica tests run with two replicas on
+one GPU (``[0, 0]``) everywhere and across two GPUs where there are two; the comparison with
+``torch.nn.SyncBatchNorm`` under DDP needs NCCL, which needs one distinct GPU per rank.
 """
 
 from __future__ import annotations
@@ -25,13 +27,22 @@ def _need_two_gpus() -> None:
         pytest.skip("needs 2 CUDA devices")
 
 
+def _need(ids: list[int]) -> None:
+    if len(set(ids)) > 1:
+        _need_two_gpus()
+
+
+# Two replicas on one GPU, then across two GPUs (skipped with fewer).
+REPLICA_IDS = [pytest.param([0, 0], id="one-gpu"), pytest.param([0, 1], id="two-gpus")]
+
+
 def _patched_dp(module: nn.Module, ids: list[int]) -> nn.DataParallel[nn.Module]:
     return patch_replication_callback(nn.DataParallel(module.cuda(ids[0]), device_ids=ids))
 
 
-@pytest.mark.parametrize("ids", [[0, 1], [1, 0]])
+@pytest.mark.parametrize("ids", [[0, 0], [0, 1], [1, 0]])
 def test_real_data_parallel_matches_full_batch(ids: list[int]) -> None:
-    _need_two_gpus()
+    _need(ids)
     ref, ours = bn_pair(nn.BatchNorm2d, 4, torch.float64)
     dev = torch.device("cuda", ids[0])
     ref = ref.to(dev)
@@ -51,11 +62,12 @@ def test_real_data_parallel_matches_full_batch(ids: list[int]) -> None:
     assert int(ours.num_batches_tracked) == 3
 
 
-def test_fp16_autocast_keeps_fp32_buffers() -> None:
-    _need_two_gpus()
+@pytest.mark.parametrize("ids", REPLICA_IDS)
+def test_fp16_autocast_keeps_fp32_buffers(ids: list[int]) -> None:
+    _need(ids)
     ref, ours = bn_pair(nn.BatchNorm2d, 4, torch.float32)
     ref = ref.cuda(0)
-    dp = _patched_dp(ours, [0, 1])
+    dp = _patched_dp(ours, ids)
     x = torch.randn(8, 4, 5, 5, device="cuda:0")
     with torch.autocast("cuda", dtype=torch.float16):
         y = dp(x.half())
@@ -65,26 +77,33 @@ def test_fp16_autocast_keeps_fp32_buffers() -> None:
     assert_close(ours.running_mean, ref.running_mean, rtol=1e-3, atol=1e-3)
 
 
-def test_channels_last_on_gpus() -> None:
-    _need_two_gpus()
+@pytest.mark.parametrize("ids", REPLICA_IDS)
+def test_channels_last_on_gpus(ids: list[int]) -> None:
+    _need(ids)
     ref, ours = bn_pair(nn.BatchNorm2d, 4, torch.float64)
     ref = ref.cuda(0)
-    dp = _patched_dp(ours, [0, 1])
+    dp = _patched_dp(ours, ids)
     x = torch.randn(8, 4, 5, 3, dtype=torch.float64, device="cuda:0").to(memory_format=torch.channels_last)
     assert_close(dp(x), ref(x), rtol=1e-10, atol=1e-10)
 
 
-def test_replica_error_on_gpu_does_not_hang() -> None:
-    _need_two_gpus()
+@pytest.mark.parametrize("ids", REPLICA_IDS)
+def test_replica_error_on_gpu_does_not_hang(ids: list[int]) -> None:
+    _need(ids)
 
     class FailOnSecond(nn.Module):
+        copy_id = 0
+
         def __init__(self) -> None:
             super().__init__()
             self.bn = SynchronizedBatchNorm2d(3, sync_timeout=60.0)
 
+        def __data_parallel_replicate__(self, ctx: object, copy_id: int) -> None:
+            self.copy_id = copy_id
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if x.device.index == 1:
-                raise KeyError("replica on cuda:1 failed")
+            if self.copy_id == 1:
+                raise KeyError(f"replica 1 on cuda:{x.device.index} failed")
             try:
                 return self.bn(x)  # type: ignore[no-any-return]
             except Exception as exc:
@@ -92,14 +111,15 @@ def test_replica_error_on_gpu_does_not_hang() -> None:
                 raise
 
     seen: list[str] = []
-    dp = _patched_dp(FailOnSecond(), [0, 1])
-    with pytest.raises(KeyError, match=r"cuda:1 failed"):
+    dp = _patched_dp(FailOnSecond(), ids)
+    with pytest.raises(KeyError, match=rf"replica 1 on cuda:{ids[1]} failed"):
         dp(torch.randn(8, 3, 2, 2, device="cuda:0"))
     assert seen == ["SyncAbortedError"]  # the peer on cuda:0 was released by the abort, not the 60 s timeout
 
 
 def test_matches_torch_sync_batch_norm_under_ddp() -> None:
-    _need_two_gpus()
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices: NCCL runs one rank per distinct GPU (no one-GPU form)")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 4, 3, 3, generator=gen)
     g = torch.randn(8, 4, 3, 3, generator=gen)

@@ -22,6 +22,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from pc_pickle._staging import deferred_of
+
 __all__ = ["HUGE_MIN", "advise", "blank_bytes", "join"]
 
 HUGE_MIN = 4 << 20
@@ -86,6 +88,10 @@ def blank_bytes(size: int) -> bytes:
 def join(pieces: Sequence[Any]) -> bytes:
     """``b"".join(pieces)``, with the result in huge pages when it is large.
 
+    A piece over a :class:`~pc_pickle._staging.Deferred` placeholder is not read: its ``fill`` writes the
+    bytes straight into their place in the result (a CUDA storage staged from the device, without a
+    full-size host copy first).
+
     Args:
         pieces: Bytes-like objects (``bytes``, ``memoryview``, ``pickle.PickleBuffer``), C-contiguous.
 
@@ -93,15 +99,19 @@ def join(pieces: Sequence[Any]) -> bytes:
         One ``bytes`` object holding the pieces in order.
     """
     views = [memoryview(p).cast("B") for p in pieces]
+    placeholders = [deferred_of(p) for p in pieces]
     total = sum(v.nbytes for v in views)
-    if total < HUGE_MIN or _madvise is None:
+    if (total < HUGE_MIN or _madvise is None) and not any(placeholders):
         return b"".join(views)
     out: bytes = _new_bytes(None, total)  # uninitialised and not shared yet: filled below, then returned
     address = _bytes_address(out)
     advise(address, total)
     dest = memoryview((ctypes.c_char * total).from_address(address)).cast("B")
     at = 0
-    for view in views:
-        dest[at : at + view.nbytes] = view
+    for view, placeholder in zip(views, placeholders, strict=True):
+        if placeholder is not None and not placeholder.filled:
+            placeholder.fill(dest[at : at + view.nbytes])
+        else:
+            dest[at : at + view.nbytes] = view
         at += view.nbytes
     return out

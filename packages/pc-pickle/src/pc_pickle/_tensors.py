@@ -15,6 +15,13 @@ On load, :func:`materialize_entry` turns each entry back into an ``UntypedStorag
 unpickled with that list installed as the thread's current table, which ``_rebuild_tensor`` and
 ``_rebuild_storage`` read.
 
+Copies of large CUDA storages are staged through a bounded pool of pinned host buffers
+(:mod:`pc_pickle._staging`): on dump, chunks are copied device->host asynchronously and drained straight into
+the final payload (the table entry holds a :class:`~pc_pickle._staging.Deferred` placeholder until the join);
+on load, chunks are copied into pinned buffers and sent to the device asynchronously (a buffer is refilled
+once its last copy is done), and the copies are waited for once at the end. The payload bytes are the same
+as an unstaged copy's.
+
 Non-goals: sparse, quantized, nested and meta tensors, tensors with the conjugate or negative bit set, tensor
 subclasses other than ``nn.Parameter`` and legacy typed storages in copy mode are left to torch's own
 reduction.
@@ -22,16 +29,18 @@ reduction.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import pickle
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.multiprocessing import reductions
 
 from pc_pickle._errors import PayloadError, SharedHandleError, UnpicklableObjectError
+from pc_pickle._staging import BufferPool, Deferred, Waitable, copy_in, copy_out
 
 __all__ = [
     "SHARE_REDUCERS",
@@ -41,6 +50,9 @@ __all__ = [
     "materialize_entry",
     "rebuild_cuda_event",
     "reduce_cuda_event",
+    "stage_to_device",
+    "stage_to_host",
+    "staging_pool",
 ]
 
 # Reduce results are (callable, args) pairs; "Any" because pickle accepts any callable and any argument tuple.
@@ -48,8 +60,10 @@ Reduced = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
 def rebuild_cuda_event(device: Any, handle: bytes) -> torch.cuda.Event:
-    """Open the interprocess CUDA event ``handle`` on ``device`` (inverse of :func:`reduce_cuda_event`)."""
-    return torch.cuda.Event.from_ipc_handle(device, handle)  # type: ignore[no-untyped-call,no-any-return]
+    """Open the interprocess CUDA event ``handle`` of ``device`` (inverse of :func:`reduce_cuda_event`)."""
+    open_handle: Any = torch.cuda.Event.from_ipc_handle  # Any: untyped on some torch releases
+    event: torch.cuda.Event = open_handle(device, handle)
+    return event
 
 
 def reduce_cuda_event(event: torch.cuda.Event) -> Reduced:
@@ -58,7 +72,8 @@ def reduce_cuda_event(event: torch.cuda.Event) -> Reduced:
     torch's own event reducer is not public on every supported release (it became private in 2.15), so pc
     builds the same pair from ``Event.ipc_handle`` and ``Event.from_ipc_handle``, which every release has.
     """
-    return rebuild_cuda_event, (event.device, event.ipc_handle())  # type: ignore[no-untyped-call]
+    ipc_handle: Any = event.ipc_handle  # Any: untyped on some torch releases
+    return rebuild_cuda_event, (event.device, ipc_handle())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -83,6 +98,125 @@ _SHARE_CUDA = (
 )
 
 _local = threading.local()
+
+# -- staging of large CUDA copies (see pc_pickle._staging) -------------------------------------------------
+STAGE_MIN = 1 << 20
+"""Storages from this size on are staged; smaller ones take one plain synchronous copy."""
+STAGED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+"""Device types whose copies are staged (tests add ``"cpu"`` to run the staging path with CPU fakes)."""
+LEASE_TIMEOUT_S = 5.0
+"""How long a copy waits for a free staging slot before it copies without staging."""
+
+_FRAME = 64 * 1024  # pickle's FRAME_SIZE_TARGET
+_pool: BufferPool[torch.Tensor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty((nbytes,), dtype=torch.uint8, pin_memory=True)
+
+
+def staging_pool() -> BufferPool[torch.Tensor]:
+    """The process's pool of pinned staging buffers, made on first use (no CUDA work at import)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = BufferPool(_pinned)
+        return _pool
+
+
+def _record_event() -> Waitable:
+    """An event recorded on the current CUDA stream, after the copies just queued there."""
+    event_type: Any = torch.cuda.Event  # Any: its constructor is untyped on some torch releases
+    event: Waitable = event_type()
+    event_type.record(event)
+    return event
+
+
+def _stages(device: torch.device, nbytes: int) -> bool:
+    # A deferred buffer must be at least the C pickler's frame size, so that the pickler writes it to the
+    # file as it is instead of copying its (not yet written) bytes into a frame.
+    return device.type in STAGED_DEVICE_TYPES and nbytes >= max(STAGE_MIN, _FRAME)
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _leased(device: torch.device) -> Iterator[tuple[BufferPool[torch.Tensor], list[torch.Tensor] | None]]:
+    """A staging slot, entered on ``device``'s context.
+
+    The buffers are None when the pool stays busy or pinned memory is refused (a locked-memory limit): the
+    caller then copies without staging.
+    """
+    pool = staging_pool()
+    with _on(device), contextlib.ExitStack() as stack:
+        try:
+            buffers = stack.enter_context(pool.lease(LEASE_TIMEOUT_S))
+        except RuntimeError:
+            buffers = None
+        yield pool, buffers
+
+
+def stage_to_host(source: torch.Tensor, dest: memoryview) -> None:
+    """Copy a 1-D uint8 device tensor into ``dest`` through pinned chunks, double-buffered.
+
+    Args:
+        source: The bytes on the device (a uint8 view of a whole storage).
+        dest: A writable byte memoryview of the same size (a region of the final payload).
+    """
+    out = torch.frombuffer(dest, dtype=torch.uint8)
+    with _leased(source.device) as (pool, buffers):
+        if buffers is None:
+            out.copy_(source)
+            return
+
+        def start(at: int, n: int, buffer: torch.Tensor) -> Waitable:
+            buffer[:n].copy_(source[at : at + n], non_blocking=True)
+            return _record_event()
+
+        def drain(at: int, n: int, buffer: torch.Tensor) -> None:
+            out[at : at + n].copy_(buffer[:n])  # host to host: torch's copy uses the intra-op threads
+
+        copy_out(source.numel(), pool.chunk_bytes, buffers, start, drain)
+
+
+def stage_to_device(host: torch.Tensor, device: torch.device) -> torch.UntypedStorage:
+    """Copy a 1-D uint8 host tensor to a new storage on ``device`` through pinned chunks, asynchronously.
+
+    Args:
+        host: The bytes (pageable host memory).
+        device: Where the storage goes.
+
+    Returns:
+        The new storage; every copy into it has finished.
+    """
+    out = torch.empty((host.numel(),), dtype=torch.uint8, device=device)
+    with _leased(device) as (pool, buffers):
+        if buffers is None:
+            out.copy_(host)
+            return out.untyped_storage()
+
+        def start(at: int, n: int, buffer: torch.Tensor) -> Waitable:
+            buffer[:n].copy_(host[at : at + n])
+            out[at : at + n].copy_(buffer[:n], non_blocking=True)
+            return _record_event()
+
+        copy_in(host.numel(), pool.chunk_bytes, buffers, start)
+    return out.untyped_storage()
+
+
+def _deferred_host_buffer(storage: torch.UntypedStorage) -> pickle.PickleBuffer:
+    """An in-band buffer whose bytes are staged from the device straight into the payload when it is joined.
+
+    Until then it is an untouched placeholder of the storage's size (no physical memory): the C pickler
+    hands a buffer this large to the outer file as it is, so the placeholder's bytes are never read.
+    """
+    source = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
+    placeholder = Deferred(-1, storage.nbytes())
+    placeholder.fill = lambda dest: stage_to_host(source, dest)
+    return pickle.PickleBuffer(placeholder)
 
 
 def _is_plain_tensor(t: torch.Tensor) -> bool:
@@ -248,6 +382,8 @@ class StorageTable:
     def _entry(self, storage: torch.UntypedStorage) -> tuple[Any, ...]:
         device = storage.device
         if self.copy_tensor:
+            if _stages(device, storage.nbytes()):
+                return (_COPY, str(device), _deferred_host_buffer(storage))
             host = storage if device.type == "cpu" else storage.cpu()  # type: ignore[no-untyped-call]
             self._keep.append(host)
             return (_COPY, str(device), _host_buffer(host))
@@ -305,6 +441,8 @@ def materialize_entry(entry: tuple[Any, ...]) -> torch.UntypedStorage:
         if not isinstance(data, bytearray):  # read-only buffers would make frombuffer warn
             data = bytearray(data)
         host = torch.frombuffer(data, dtype=torch.uint8)
+        if _stages(dev, host.numel()):
+            return stage_to_device(host, dev)
         return (host if dev.type == "cpu" else host.to(dev)).untyped_storage()
     if tag in (_SHARE, _SHARE_CUDA):
         if tag == _SHARE_CUDA:
