@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import ast
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
@@ -14,7 +15,8 @@ PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 def _compat_matrix() -> list[tuple[str, str]]:
     tree = ast.parse((ROOT / "noxfile.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "COMPAT_MATRIX" for t in node.targets):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(getattr(t, "id", "") == "COMPAT_MATRIX" for t in targets):
             return [tuple(pair) for pair in ast.literal_eval(node.value)]  # type: ignore[misc]
     raise AssertionError("noxfile.py has no COMPAT_MATRIX")
 
@@ -44,7 +46,8 @@ def test_the_matrix_covers_the_floor_the_newest_and_the_extreme_pythons() -> Non
     assert {PYTHONS[0], PYTHONS[-1]} <= pythons
     policy = (ROOT / "docs" / "support.md").read_text()
     for torch, python in matrix:
-        assert torch in policy and python in policy, (torch, python)
+        assert torch in policy, torch
+        assert python in policy, python
     floor = min(matrix, key=lambda pair: _minor(pair[0]))[0]
     assert f"from {'.'.join(floor.split('.')[:2])} to the newest" in policy
     ci = (ROOT / ".ci" / "run").read_text()
