@@ -23,7 +23,7 @@ import nox
 ROOT = Path(__file__).resolve().parent
 PACKAGES_DIR = ROOT / "packages"
 PACKAGES = sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml").is_file())
-TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "psutil>=5.9"]
+TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "psutil>=5.9", "hypothesis>=6"]
 # Test-only needs beyond a package's runtime closure; local names are installed from packages/.
 EXTRA_TEST_DEPS: dict[str, list[str]] = {
     "pc-sync": ["pc-replicate"],
@@ -175,6 +175,22 @@ def tests(session: nox.Session) -> None:
     _install_all(session, *DEMO_DEPS, *INDEX_TEST_DEPS, "scipy>=1.9")
     _uv_for_tests(session)
     _pytest(session, *[f"packages/{p}/tests" for p in PACKAGES], "tests-integration", marker="not multihost")
+
+
+@nox.session
+def adversarial(session: nox.Session) -> None:
+    """The property-based adversarial suite (hypothesis): ``nox -s adversarial -- [EXAMPLES]`` (default 200).
+
+    The same tests run in ``tests`` with a few derandomized examples each; here every property gets EXAMPLES
+    of them (``PC_ADVERSARIAL_EXAMPLES``), still derandomized unless ``PC_ADVERSARIAL_SEED`` is set. A
+    failure prints the falsifying example and the seed line.
+    """
+    examples = session.posargs[0] if session.posargs else os.environ.get("PC_ADVERSARIAL_EXAMPLES", "200")
+    if not examples.isdigit():
+        session.error(f"usage: nox -s adversarial -- [EXAMPLES] (an integer), got {session.posargs}")
+    _install_all(session, *DEMO_DEPS, *INDEX_TEST_DEPS, "scipy>=1.9", "hypothesis>=6")
+    session.env["PC_ADVERSARIAL_EXAMPLES"] = examples
+    _pytest(session, *[f"packages/{p}/tests" for p in PACKAGES], marker="adversarial")
 
 
 @nox.session
