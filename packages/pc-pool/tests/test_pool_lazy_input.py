@@ -130,3 +130,23 @@ def test_map_reads_the_iterable_first_and_raises_its_error_like_the_stdlib(metho
         getattr(std, method)(func, _failing())
     with pc_pool.ThreadPool(1) as pool, pytest.raises(KeyError, match="element 1"):
         getattr(pool, method)(func, _failing())
+
+
+def test_a_terminated_lazy_imap_raises_after_its_results_and_never_ends_quietly(own_pool: Any) -> None:
+    more = threading.Event()
+
+    def three_then_more() -> Iterator[int]:
+        yield from range(3)
+        more.wait(tu.T)  # the pool is terminated while the input thread waits here
+        yield from range(3, 10)
+
+    it = own_pool.imap(tu.ident, three_then_more())
+    assert _take(it, 3) == [0, 1, 2]  # every element read so far has been answered and taken
+    inputs = [t for t in threading.enumerate() if t.name == "pc_pool-imap-input"]
+    own_pool.terminate()
+    more.set()
+    for thread in inputs:
+        thread.join(tu.T)
+        assert not thread.is_alive()
+    with pytest.raises(pc_pool.PoolTerminatedError):
+        it.next(timeout=tu.T)

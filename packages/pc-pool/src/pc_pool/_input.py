@@ -45,7 +45,9 @@ def start_input_thread(
 
     Args:
         iterator: The caller's elements.
-        result: The job's result handle; it bounds the read-ahead and learns the final count.
+        result: The job's result handle; it bounds the read-ahead and learns the final count (unless the job
+            was failed first: then its handle raises that failure after the results that arrived, never a
+            ``StopIteration`` that would pass a cut-short input off as complete).
         add: Queues element ``index`` as a one-element chunk; False when the job takes no more.
         end: Called once at the end with whether the job is complete (every result arrived).
         read_ahead: Elements read at most past the last result the caller took.
@@ -70,6 +72,7 @@ def _read(
     block_sigint_in_this_thread()
     count = 0
     error: BaseException | None = None
+    cut_short = True  # the job was failed (terminate, a broken pool): its handle reports that, not an end
     try:
         while True:
             room = result._wait_for_room(count, read_ahead, TICK)
@@ -80,12 +83,13 @@ def _read(
             try:
                 item = next(iterator)
             except StopIteration:
+                cut_short = False
                 break
             except Exception as exc:  # the caller's iterable failed: its results so far, then this error
-                error = exc
+                error, cut_short = exc, False
                 break
             if not add(count, [item]):
                 break
             count += 1
     finally:
-        end(result._end_input(count, error))
+        end(False if cut_short else result._end_input(count, error))
