@@ -146,14 +146,13 @@ def _explain(
     except RecursionError:
         found = None
     path, culprit, error = found if found is not None else ("obj", obj, exc)
-    reason = str(error)
-    if isinstance(error, UnpicklableObjectError):
+    reason = f"{type(error).__name__}: {error}"
+    if isinstance(error, UnpicklableObjectError):  # pc_pickle's own refusal: its message is the reason
+        reason = str(error)
         reason = reason.split(": ", 1)[1] if reason.startswith(f"{error.path}: ") else reason
     kind = type(culprit)
     return UnpicklableObjectError(
-        f"{path}: cannot pickle {kind.__module__}.{kind.__qualname__} object: "
-        f"{type(error).__name__}: {reason}",
-        path=path,
+        f"{path}: cannot pickle {kind.__module__}.{kind.__qualname__} object: {reason}", path=path
     )
 
 
