@@ -208,6 +208,22 @@ def compat(session: nox.Session, torch: str) -> None:
 
 
 @nox.session
+def adversarial(session: nox.Session) -> None:
+    """The property-based adversarial suite (hypothesis): ``nox -s adversarial -- [EXAMPLES]`` (default 200).
+
+    The same tests run in ``tests`` with a few derandomized examples each; here every property gets EXAMPLES
+    of them (``PC_ADVERSARIAL_EXAMPLES``), still derandomized unless ``PC_ADVERSARIAL_SEED`` is set. A
+    failure prints the falsifying example and the seed line.
+    """
+    examples = session.posargs[0] if session.posargs else os.environ.get("PC_ADVERSARIAL_EXAMPLES", "200")
+    if not examples.isdigit():
+        session.error(f"usage: nox -s adversarial -- [EXAMPLES] (an integer), got {session.posargs}")
+    _install_all(session, *DEMO_DEPS, *INDEX_TEST_DEPS, "scipy>=1.9", "hypothesis>=6")
+    session.env["PC_ADVERSARIAL_EXAMPLES"] = examples
+    _pytest(session, *[f"packages/{p}/tests" for p in PACKAGES], marker="adversarial")
+
+
+@nox.session
 def integration(session: nox.Session) -> None:
     """Cross-package tests through the public APIs."""
     _install_all(session, *DEMO_DEPS, *INDEX_TEST_DEPS)

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from pc_distributed._transport import is_connection_loss
+
 __all__ = ["WAIT_GRACE", "BoundedStore", "call_bounded"]
 
 # Seconds a store wait may overrun its own timeout (the server's answer to it) before it counts as unanswered.
@@ -67,17 +69,26 @@ class BoundedStore:
     ``compare_set`` and ``delete_key`` get ``timeout`` seconds; ``wait`` gets its own timeout plus
     :data:`WAIT_GRACE`. A request that times out keeps the worker until the server answers or the connection
     fails; the requests queued behind it time out in turn, and those whose callers gave up are dropped unsent.
+    A request that fails because the connection to the server is lost (the process serving the store exited)
+    raises ``ConnectionError`` naming the store and :attr:`server`, with torch's error as ``__cause__``.
 
     Args:
         store: The client (a torch ``Store``; a ``PrefixStore`` view is fine).
         timeout: Seconds of each short request (the World's ``dist_timeout``).
         label: Names the store in error messages.
+        server: Names who serves the store, for the message of a lost connection.
+
+    Attributes:
+        server: Who serves the store (the World names rank 0's member once the names are known).
     """
 
-    def __init__(self, store: Any, timeout: float, label: str) -> None:
+    def __init__(
+        self, store: Any, timeout: float, label: str, server: str = "the process serving it"
+    ) -> None:
         self._store = store
         self._timeout = timeout
         self._label = label
+        self.server = server
         # Not a ThreadPoolExecutor: its workers are joined at interpreter exit, and a stuck one would hang it.
         self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], str, tuple[Any, ...]] | None]
         self._queue = queue.SimpleQueue()
@@ -107,6 +118,14 @@ class BoundedStore:
                 f"{self._label}: no answer to {op} within {timeout:g} s (the store's host is unreachable, "
                 "frozen or partitioned away)"
             ) from None
+        except (RuntimeError, OSError) as exc:
+            if not is_connection_loss(exc):
+                raise
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ConnectionError(
+                f"{self._label}: lost the connection to the store during {op}: {self.server} has exited or "
+                f"is unreachable ({type(exc).__name__}: {first_line})"
+            ) from exc
 
     def set(self, key: str, value: str | bytes) -> None:
         """Torch's ``set``, bounded."""

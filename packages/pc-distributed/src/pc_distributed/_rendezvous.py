@@ -123,7 +123,14 @@ def connect(spec: WorldSpec, name: str, rank: int, world_size: int, timeout: flo
     # a c10d agent restarting for a membership change counts none).
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if spec.agent_store else "0"
     prefix = f"{_PREFIX}/{restart}/{_next_epoch()}"
-    store = BoundedStore(_torch_dist.prefix_store(prefix, raw), timeout, f"the store of World {name!r}")
+    if spec.serves_store():
+        server = f"this process (rank 0, {name!r}), which serves it"
+    elif spec.agent_store:
+        server = f"the launcher serving it at {spec.dist_url} (torchrun's agent or run_world)"
+    else:
+        server = f"rank 0, which serves it at {spec.dist_url}"
+    label = f"the store of World {name!r}"
+    store = BoundedStore(_torch_dist.prefix_store(prefix, raw), timeout, label, server)
     waits = WaitStores(raw, prefix, timeout)
     rpc_url = spec.rpc_url
     port = _torch_dist.store_port(raw)
@@ -147,4 +154,6 @@ def publish_name(conn: Connection, name: str, rank: int, world_size: int, timeou
     names = [conn.store.get(k).decode() for k in keys]
     if len(set(names)) != len(names):
         raise ValueError(f"member names must be unique, got {names} (by rank)")
+    if rank != 0 and not conn.outlives_attempt:  # rank 0 serves the store: name its member
+        conn.store.server = f"rank 0 ({names[0]!r}), which serves it"
     return names

@@ -8,7 +8,8 @@ chaining a second future whose callback runs on an RPC thread: one hand-off less
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import pickle
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -21,21 +22,76 @@ __all__ = ["call_owner", "call_owner_sync", "invoke"]
 
 
 def invoke(
-    host: GroupHost, method: Callable[..., Any], to: str, func: Any, args: tuple[Any, ...], timeout: float
+    host: GroupHost,
+    method: Callable[..., Any],
+    to: str,
+    func: Any,
+    args: tuple[Any, ...],
+    timeout: float,
+    parts: Sequence[str] = (),
 ) -> Any:
     """Send one torch RPC (``rpc_sync``, ``rpc_async`` or ``remote``) to ``to`` with ``timeout`` seconds.
 
+    Args:
+        host: The World.
+        method: Torch's ``rpc_sync``, ``rpc_async`` or ``remote``.
+        to: The target member.
+        func: The function torch runs there.
+        args: Its arguments (the call's payload).
+        timeout: Seconds.
+        parts: What each element of ``args`` is (``"func"``, ``"args"``, ...), to name an unpicklable one.
+
     Raises:
         RuntimeError: If the World has no RPC.
+        TypeError: If an element of ``args`` cannot be pickled; the message names it (``args[1]``) and
+            pickle's error is the ``__cause__``.
         TimeoutError: If torch reports a timeout.
         ConnectionError: If torch reports a lost or refused connection.
     """
     if not host.init_rpc:
         raise RuntimeError("RPC calls need a World created with init_rpc=True")
+    what = getattr(method, "__name__", "rpc")
     try:
         return method(to, func, args=args, timeout=timeout)
     except (RuntimeError, OSError) as exc:
-        raise transport_error(exc, to, getattr(method, "__name__", "rpc")) from exc
+        raise transport_error(exc, to, what) from exc
+    except (AttributeError, TypeError, pickle.PicklingError) as exc:  # pickling the payload failed
+        found = _unpicklable(args, parts)
+        if found is None:
+            raise
+        where, obj = found
+        kind = type(obj)
+        raise TypeError(
+            f"{what} to {to!r}: {where} cannot be pickled ({kind.__module__}.{kind.__qualname__}: {exc}); "
+            "RPC sends functions by reference: pass a module-level function and picklable arguments"
+        ) from exc
+
+
+def _pickles(obj: Any) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
+
+
+def _unpicklable(payload: tuple[Any, ...], parts: Sequence[str]) -> tuple[str, Any] | None:
+    """The first element of ``payload`` (one level into tuples, lists and dicts) that does not pickle."""
+    for i, part in enumerate(payload):
+        label = parts[i] if i < len(parts) else f"argument {i}"
+        items: Iterable[tuple[Any, Any]] | None = None
+        if isinstance(part, (tuple, list)):
+            items = enumerate(part)
+        elif isinstance(part, dict):
+            items = part.items()
+        if items is None:
+            if not _pickles(part):
+                return label, part
+            continue
+        for key, item in items:
+            if not _pickles(item):
+                return f"{label}[{key!r}]", item
+    return None
 
 
 def call_owner(

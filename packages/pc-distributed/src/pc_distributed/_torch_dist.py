@@ -23,6 +23,7 @@ from pc_distributed._bounded import WAIT_GRACE, call_bounded
 
 __all__ = [
     "Store",
+    "check_backend",
     "destroy_pg",
     "init_pg",
     "master_store",
@@ -165,6 +166,33 @@ def _bounded_here(fn: Callable[[], Any], timeout: float, what: str) -> Any:
             return inner()
 
     return call_bounded(fn, timeout + WAIT_GRACE, what)
+
+
+def check_backend(backend: str) -> str:
+    """Check a process-group backend name before anything starts (torch itself only asserts, late).
+
+    Accepts a backend torch knows and this build has (``"gloo"``, ``"nccl"`` on CUDA builds, ...), in any
+    case, or ``"device:backend"`` pairs separated by commas (``"cpu:gloo,cuda:nccl"``).
+
+    Raises:
+        ValueError: Naming the backend and the ones this torch build has.
+    """
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    available = getattr(dist, "is_backend_available", lambda name: True)
+    usable = [b for b in known if available(b)]
+    for part in backend.split(","):
+        name = part.split(":", 1)[-1].strip().lower()
+        if name not in usable:
+            why = (
+                "is not available in this torch build"
+                if name in known
+                else "is not a torch.distributed backend"
+            )
+            raise ValueError(
+                f"dist_backend {backend!r}: {name!r} {why}; this build has {usable} (or "
+                "'device:backend' pairs such as 'cpu:gloo,cuda:nccl')"
+            )
+    return backend
 
 
 def init_pg(store: Any, backend: str, rank: int, world_size: int, timeout: float) -> None:

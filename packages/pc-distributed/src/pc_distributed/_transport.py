@@ -28,6 +28,7 @@ __all__ = [
     "chain_future",
     "check_call_args",
     "check_timeout",
+    "is_connection_loss",
     "is_timeout",
     "positive_seconds",
     "resolve_timeout",
@@ -107,6 +108,16 @@ def is_timeout(exc: BaseException) -> bool:
         return False
     low = str(exc).lower()
     return any(word in low for word in TIMEOUT_WORDS)
+
+
+def is_connection_loss(exc: BaseException) -> bool:
+    """Whether torch's error ``exc`` reports a lost or refused connection (not a timeout)."""
+    if is_timeout(exc):
+        return False
+    if isinstance(exc, (ConnectionError, _DistNetworkError)):
+        return True
+    low = str(exc).lower()
+    return any(word in low for word in CONNECTION_WORDS)
 
 
 def transport_error(exc: BaseException, target: str, what: str) -> BaseException:

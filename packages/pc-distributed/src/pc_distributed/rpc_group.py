@@ -32,6 +32,10 @@ from pc_distributed.remote_ref import RemoteRef
 
 __all__ = ["RpcGroup", "create_rpc_group"]
 
+# What the elements of each payload are, to name an unpicklable one: a call (func, args, kwargs), a service
+# call (group, key, args, kwargs), a paired-value look-up (group, key).
+_PAYLOAD_PARTS = {3: ("func", "args", "kwargs"), 4: ("group", "key", "args", "kwargs"), 2: ("group", "key")}
+
 
 class RpcGroup:
     """A group of named members that call each other, pair values and register services.
@@ -112,7 +116,7 @@ class RpcGroup:
     ) -> Any:
         if self.destroyed:
             raise RuntimeError(f"RpcGroup {self.group_name!r} has been destroyed")
-        return invoke(self._world(), method, to, func, args, timeout)
+        return invoke(self._world(), method, to, func, args, timeout, _PAYLOAD_PARTS.get(len(args), ()))
 
     def _owner_call(
         self, key: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, timeout: float | None, method: Any
@@ -276,6 +280,8 @@ class RpcGroup:
 
         Raises:
             ValueError: If ``to`` is not a member.
+            TypeError: If ``func`` or an argument cannot be pickled (the message names it; pickle's error is
+                the ``__cause__``).
             TimeoutError: If ``to`` did not answer within ``timeout`` (None or -1: the World's
                 ``rpc_timeout``).
             ConnectionError: If ``to`` is unreachable.

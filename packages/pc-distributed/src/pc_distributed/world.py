@@ -68,7 +68,8 @@ class World:
     Raises:
         RuntimeError: If a World already exists in this process.
         TypeError: On arguments of the wrong type.
-        ValueError: On out-of-range arguments or duplicate member names.
+        ValueError: On out-of-range arguments, duplicate member names, or a ``dist_backend`` that is not a
+            backend of this torch build (the message lists the ones it has).
         TimeoutError: If the rendezvous address is unreachable or silent, or the other ranks do not join,
             within ``dist_timeout``.
         OSError: If rank 0 cannot bind ``addr``.
@@ -102,6 +103,8 @@ class World:
         self.rpc_timeout = positive_seconds("rpc_timeout", rpc_timeout)
         if not isinstance(dist_backend, str):
             raise TypeError(f"dist_backend must be a str, got {type(dist_backend).__name__}")
+        if init_dist:
+            _torch_dist.check_backend(dist_backend)
         self._interface = None if interface is None else check_interface(interface)
         self._spec = resolve_world_spec(rank, world_size, dist_init_method, rpc_init_method, addr=addr)
         self.rank = self._spec.rank

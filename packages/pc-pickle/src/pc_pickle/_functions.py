@@ -27,6 +27,7 @@ from typing import Any
 import dill
 import torch
 
+from pc_pickle._resources import is_resource, reduce_resource
 from pc_pickle._static import is_static_module
 from pc_pickle._tensors import Reduced, StorageTable
 
@@ -52,12 +53,7 @@ _CANDIDATES: tuple[Any, ...] = (
     type({}.keys()),
     type({}.values()),
     type({}.items()),
-    io.TextIOWrapper,
-    io.BufferedReader,
-    io.BufferedWriter,
-    io.BufferedRandom,
-    io.FileIO,
-)
+)  # file handles are not here: pc_pickle._resources decides what becomes of them
 DILL_ONLY_TYPES: frozenset[type] = frozenset(cls for cls in _CANDIDATES if cls in dill.Pickler.dispatch)
 
 
@@ -96,9 +92,10 @@ class _DillPickler(dill.Pickler):  # type: ignore[misc]  # dill ships no type in
     # A private copy (same MetaCatchingDict type, so metaclasses still dispatch): registrations stay local.
     dispatch = type(dill.Pickler.dispatch)(dill.Pickler.dispatch)
 
-    def __init__(self, file: io.BytesIO, table: StorageTable, recurse: bool) -> None:
+    def __init__(self, file: io.BytesIO, table: StorageTable, recurse: bool, read_files: bool) -> None:
         super().__init__(file, protocol=5, recurse=recurse, byref=False)
         self._table = table
+        self._read_files = read_files
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
@@ -110,10 +107,12 @@ class _DillPickler(dill.Pickler):  # type: ignore[misc]  # dill ships no type in
             return (importlib.import_module, (obj.__name__,))
         if isinstance(obj, torch.TypedStorage):
             return self._table.reduce_typed_storage(obj)
+        if is_resource(cls):  # before dill's own file handlers, which reopen files with their saved mode
+            return reduce_resource(obj, self._read_files)
         return NotImplemented
 
 
-def reduce_by_value(obj: Any, table: StorageTable, recurse: bool) -> Reduced:
+def reduce_by_value(obj: Any, table: StorageTable, recurse: bool, read_files: bool = False) -> Reduced:
     """Pickle a function or class by value (or a dill-only object) with dill into a nested payload.
 
     Args:
@@ -122,6 +121,7 @@ def reduce_by_value(obj: Any, table: StorageTable, recurse: bool) -> Reduced:
         recurse: dill's ``recurse``: carry the globals the function references by value (True) or look them up
             at load time in the function's module in the loading process (False). Functions and classes
             defined in ``__main__`` always carry them by value.
+        read_files: Carry read-only file handles met inside the object (see :mod:`pc_pickle._resources`).
 
     Returns:
         A reduce tuple that loads the object with :func:`_rebuild_dill`.
@@ -131,7 +131,7 @@ def reduce_by_value(obj: Any, table: StorageTable, recurse: bool) -> Reduced:
     # "__main__":` block), so a by-name lookup there fails with NameError (dill#126).
     by_value_globals = recurse or getattr(obj, "__module__", None) == "__main__"
     buffer = io.BytesIO()
-    _DillPickler(buffer, table, by_value_globals).dump(obj)
+    _DillPickler(buffer, table, by_value_globals, read_files).dump(obj)
     return (_rebuild_dill, (buffer.getvalue(),))
 
 

@@ -7,7 +7,9 @@ Data flow of one dump::
                        |                   list, tuple, dict and set: plain data stays in C)
                        |-- Tensor / Parameter / storage --> StorageTable: one index per distinct storage
                        |-- lambda, local or __main__ function/class --> dill (same table) --> nested bytes
-                       |-- lock, cell, code, property, weakref, file, ... (dill-only types) --> dill
+                       |-- lock, cell, code, property, weakref, ... (dill-only types) --> dill
+                       |-- file handle, socket, process --> _resources: refused, or (read_files=True)
+                       |                   a read-only handle as (path, position), reopened read-only
                        `-- module --> its name
         --phase 2--> StorageTable.materialize(): raw bytes (copy) or share handles (share)
         --> outer C pickle: _load_payload(FORMAT_VERSION, table, graph bytes), the graph's pieces spliced in
@@ -34,6 +36,7 @@ from pc_pickle._diagnose import find_unpicklable
 from pc_pickle._errors import UnpicklableObjectError
 from pc_pickle._functions import DILL_ONLY_TYPES, needs_by_value, reduce_by_value
 from pc_pickle._payload import Chunks, outer_pieces, release_outer, unpickle
+from pc_pickle._resources import is_resource, reduce_resource
 from pc_pickle._seal import seal, verify
 from pc_pickle._staging import resolve
 from pc_pickle._tensors import StorageTable
@@ -46,7 +49,7 @@ _PROTOCOL = 5
 class _GraphPickler(pickle.Pickler):
     """Phase 1: the C pickler with a ``reducer_override`` for tensors, by-value functions and modules."""
 
-    def __init__(self, file: IO[bytes], table: StorageTable, recurse: bool) -> None:
+    def __init__(self, file: IO[bytes], table: StorageTable, recurse: bool, read_files: bool) -> None:
         # type -> reducer (or None: let pickle decide). Per instance, so dynamically created classes are not
         # kept alive; most graphs have few distinct types, so the lookup is one dict probe per object.
         self._reducers: dict[type, Callable[[Any], Any] | None] = {}
@@ -54,12 +57,12 @@ class _GraphPickler(pickle.Pickler):
         # object: a plain function in the instance dict (read by the C __init__ below) is called without
         # binding a method, and a type is looked up by subscript (choose runs once per type and pickler).
         self.reducer_override = _make_override(  # type: ignore[method-assign]
-            self._reducers, functools.partial(_choose, table=table, recurse=recurse)
+            self._reducers, functools.partial(_choose, table=table, recurse=recurse, read_files=read_files)
         )
         super().__init__(file, protocol=_PROTOCOL)
 
 
-def _choose(cls: type, table: StorageTable, recurse: bool) -> Callable[[Any], Any] | None:
+def _choose(cls: type, table: StorageTable, recurse: bool, read_files: bool) -> Callable[[Any], Any] | None:
     """The reducer for objects of exact type ``cls``, or ``None`` to let the C pickler decide."""
     if cls is torch.Tensor or cls is torch.nn.Parameter:
         return table.reduce_tensor
@@ -72,12 +75,14 @@ def _choose(cls: type, table: StorageTable, recurse: bool) -> Callable[[Any], An
     # The reducers cached here must not refer to this pickler (no bound methods of self): a pickler ->
     # cache -> bound method -> pickler cycle would keep the pickler's memo, and with it every object and
     # tensor of the graph, alive after dumps returned, until the garbage collector ran.
+    if is_resource(cls):
+        return functools.partial(reduce_resource, read_files=read_files)
     if cls is types.FunctionType or issubclass(cls, type):
-        return functools.partial(_reduce_code, table=table, recurse=recurse)
+        return functools.partial(_reduce_code, table=table, recurse=recurse, read_files=read_files)
     if cls is types.ModuleType:
         return _reduce_module
     if cls in DILL_ONLY_TYPES:
-        return functools.partial(reduce_by_value, table=table, recurse=recurse)
+        return functools.partial(reduce_by_value, table=table, recurse=recurse, read_files=read_files)
     return None
 
 
@@ -99,9 +104,9 @@ def _make_override(
     return reducer_override
 
 
-def _reduce_code(obj: Any, table: StorageTable, recurse: bool) -> Any:
+def _reduce_code(obj: Any, table: StorageTable, recurse: bool, read_files: bool) -> Any:
     if needs_by_value(obj):
-        return reduce_by_value(obj, table, recurse)
+        return reduce_by_value(obj, table, recurse, read_files)
     return NotImplemented
 
 
@@ -111,14 +116,16 @@ def _reduce_module(module: types.ModuleType) -> Any:
     return (importlib.import_module, (module.__name__,))
 
 
-def _pickle_graph(obj: Any, table: StorageTable, recurse: bool) -> list[Any]:
+def _pickle_graph(obj: Any, table: StorageTable, recurse: bool, read_files: bool) -> list[Any]:
     """Phase 1: the graph's pickle, as the pieces the C pickler wrote (frames of 64 KiB, large objects)."""
     chunks = Chunks()
-    _GraphPickler(chunks, table, recurse).dump(obj)  # type: ignore[arg-type]  # a write-only file
+    _GraphPickler(chunks, table, recurse, read_files).dump(obj)  # type: ignore[arg-type]  # a write-only file
     return chunks.parts
 
 
-def _explain(obj: Any, exc: Exception, recurse: bool, copy_tensor: bool) -> UnpicklableObjectError:
+def _explain(
+    obj: Any, exc: Exception, recurse: bool, copy_tensor: bool, read_files: bool
+) -> UnpicklableObjectError:
     """Build the error for a failed phase 1, with the access path found by a diagnostic re-walk."""
     if isinstance(exc, RecursionError):
         return UnpicklableObjectError(
@@ -128,7 +135,7 @@ def _explain(obj: Any, exc: Exception, recurse: bool, copy_tensor: bool) -> Unpi
 
     def error_of(item: Any) -> BaseException | None:
         try:
-            _pickle_graph(item, StorageTable(copy_tensor), recurse)
+            _pickle_graph(item, StorageTable(copy_tensor), recurse, read_files)
         except RecursionError as error:
             return error
         except Exception as error:
@@ -140,27 +147,31 @@ def _explain(obj: Any, exc: Exception, recurse: bool, copy_tensor: bool) -> Unpi
     except RecursionError:
         found = None
     path, culprit, error = found if found is not None else ("obj", obj, exc)
-    reason = str(error)
-    if isinstance(error, UnpicklableObjectError):
+    reason = f"{type(error).__name__}: {error}"
+    if isinstance(error, UnpicklableObjectError):  # pc_pickle's own refusal: its message is the reason
+        reason = str(error)
         reason = reason.split(": ", 1)[1] if reason.startswith(f"{error.path}: ") else reason
     kind = type(culprit)
     return UnpicklableObjectError(
-        f"{path}: cannot pickle {kind.__module__}.{kind.__qualname__} object: "
-        f"{type(error).__name__}: {reason}",
-        path=path,
+        f"{path}: cannot pickle {kind.__module__}.{kind.__qualname__} object: {reason}", path=path
     )
 
 
-def _build_payload(obj: Any, recurse: bool, copy_tensor: bool) -> tuple[list[tuple[Any, ...]], list[Any]]:
-    if not isinstance(recurse, bool):
-        raise TypeError(f"recurse must be a bool, got {type(recurse).__qualname__}: {recurse!r}")
-    if not isinstance(copy_tensor, bool):
-        raise TypeError(f"copy_tensor must be a bool, got {type(copy_tensor).__qualname__}: {copy_tensor!r}")
+def _check_flags(**flags: object) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__qualname__}: {value!r}")
+
+
+def _build_payload(
+    obj: Any, recurse: bool, copy_tensor: bool, read_files: bool
+) -> tuple[list[tuple[Any, ...]], list[Any]]:
+    _check_flags(recurse=recurse, copy_tensor=copy_tensor, read_files=read_files)
     table = StorageTable(copy_tensor)
     try:
-        graph = _pickle_graph(obj, table, recurse)  # phase 1: no OS resources touched
+        graph = _pickle_graph(obj, table, recurse, read_files)  # phase 1: no OS resources touched
     except Exception as exc:
-        raise _explain(obj, exc, recurse, copy_tensor) from exc
+        raise _explain(obj, exc, recurse, copy_tensor, read_files) from exc
     return table.materialize(), graph  # phase 2
 
 
@@ -208,6 +219,8 @@ class Pickler(pickle.Pickler):
             defined in ``__main__`` always carry the ``__main__`` globals they reference by value (the
             loader's ``__main__`` is another script), as cloudpickle does.
         copy_tensor: Copy tensors (True) or share them (False, the default).
+        read_files: Carry open read-only file handles, reopened read-only at the same position on load
+            (True), or refuse every file handle (False, the default); see :func:`dumps`.
 
     Raises:
         TypeError: If ``file`` has no ``write`` method, or a flag is not a bool.
@@ -220,21 +233,19 @@ class Pickler(pickle.Pickler):
         2
     """
 
-    def __init__(self, file: IO[bytes], recurse: bool = False, copy_tensor: bool = False) -> None:
+    def __init__(
+        self, file: IO[bytes], recurse: bool = False, copy_tensor: bool = False, *, read_files: bool = False
+    ) -> None:
         if not callable(getattr(file, "write", None)):
             raise TypeError(
                 f"file must be a binary file with a write() method, got {type(file).__qualname__}"
             )
-        if not isinstance(recurse, bool):
-            raise TypeError(f"recurse must be a bool, got {type(recurse).__qualname__}: {recurse!r}")
-        if not isinstance(copy_tensor, bool):
-            raise TypeError(
-                f"copy_tensor must be a bool, got {type(copy_tensor).__qualname__}: {copy_tensor!r}"
-            )
+        _check_flags(recurse=recurse, copy_tensor=copy_tensor, read_files=read_files)
         super().__init__(file, protocol=_PROTOCOL)
         self._file = file
         self.recurse = recurse
         self.copy_tensor = copy_tensor
+        self.read_files = read_files
 
     def dump(self, obj: Any, /) -> None:
         """Write one payload holding ``obj``.
@@ -246,11 +257,11 @@ class Pickler(pickle.Pickler):
             UnpicklableObjectError: (a :class:`pickle.PicklingError`) if something in ``obj`` cannot be
                 pickled; the message starts with its access path. Nothing is written in that case.
         """
-        for piece in _write_payload(obj, self.recurse, self.copy_tensor):
+        for piece in _write_payload(obj, self.recurse, self.copy_tensor, self.read_files):
             self._file.write(resolve(piece))  # a staged CUDA storage is copied here, not before
 
 
-def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
+def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True, *, read_files: bool = False) -> bytes:
     """Pickle ``obj`` to bytes. Works for CPU and CUDA tensors.
 
     Same as :class:`Pickler` except that ``copy_tensor`` defaults to **True (copy)**, as in the seed. With
@@ -263,17 +274,27 @@ def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
     graph share one storage after the load. What changes: a slice carries its whole storage (``clone()`` it
     first to send less), a non-leaf tensor arrives as a leaf, and ``.grad`` and hooks are not carried.
 
+    Loading never acts outside the loading process. File handles are refused by default (loading one would
+    reopen its file, and mode ``"w"`` would empty it); ``read_files=True`` carries open read-only handles
+    of named, seekable files as their absolute path and position, and ``loads`` opens them again with
+    ``"r"``/``"rb"`` at that position (a file missing by then raises ``FileNotFoundError`` from ``loads``).
+    Writable, closed and unnamed handles, sockets, child processes (``subprocess.Popen``) and memory maps
+    are refused in both modes. The standard streams load as the loading process's own.
+
     Args:
         obj: The object to pickle.
         recurse: For functions pickled by value, carry the globals they reference by value (``__main__``
             code always does).
         copy_tensor: Copy tensors (True, the default) or share them (False).
+        read_files: Carry open read-only file handles (True) or refuse every file handle (False, the default).
 
     Returns:
         The payload.
 
     Raises:
-        UnpicklableObjectError: (a :class:`pickle.PicklingError`) if something in ``obj`` cannot be pickled.
+        UnpicklableObjectError: (a :class:`pickle.PicklingError`) if something in ``obj`` cannot be pickled,
+            a file handle (or, with ``read_files=True``, a writable one), a socket or a child process among
+            them; the message starts with its access path, such as ``obj['fh']``.
         TypeError: If a flag is not a bool.
 
     Examples:
@@ -283,12 +304,12 @@ def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
         >>> out["t"].stride(), out["w"].untyped_storage().data_ptr() == out["t"].untyped_storage().data_ptr()
         ((1, 3), True)
     """
-    return join(_write_payload(obj, recurse, copy_tensor))
+    return join(_write_payload(obj, recurse, copy_tensor, read_files))
 
 
-def _write_payload(obj: Any, recurse: bool, copy_tensor: bool) -> list[Any]:
+def _write_payload(obj: Any, recurse: bool, copy_tensor: bool, read_files: bool) -> list[Any]:
     """The pieces of one sealed payload (the pickler and its storage table are gone when this returns)."""
-    return seal(outer_pieces(*_build_payload(obj, recurse, copy_tensor)))
+    return seal(outer_pieces(*_build_payload(obj, recurse, copy_tensor, read_files)))
 
 
 def loads(data: bytes | bytearray | memoryview) -> Any:

@@ -3,16 +3,22 @@
 Subclasses provide ``_check_running()`` (raise ``ValueError("Pool not running")``), ``_submit(func, mode,
 chunks, result)`` (queue the chunks of one job), ``_processes`` and ``_cache``. Chunking follows the stdlib
 and machin: ``map`` uses ``chunksize = ceil(len / (4 * processes))``; ``imap``/``imap_unordered`` with
-``chunksize > 1`` return a list (as machin did).
+``chunksize > 1`` return a list (as machin did). ``map`` and ``starmap`` read the whole iterable in the caller
+first, as the stdlib does (so an iterable that raises raises from the call itself); ``imap`` and
+``imap_unordered`` with ``chunksize=1`` over anything but a list, tuple or range read it lazily in an input
+thread with bounded read-ahead (:mod:`pc_pool._input`) through the subclass hooks ``_open_job``,
+``_add_chunk`` and ``_end_job``.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from pc_pool._input import READ_AHEAD_PER_WORKER, start_input_thread
 from pc_pool._protocol import MODE_APPLY, MODE_MAP, MODE_STAR
 from pc_pool.results import AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult
 
@@ -53,7 +59,7 @@ class PoolFrontend:
     """Base class of the process and thread pools: the stdlib pool call API on top of ``_submit``.
 
     It holds no state of its own: subclasses provide ``_processes``, ``_cache``, ``_check_running``,
-    ``_submit`` and ``_handle_interrupt``.
+    ``_submit``, ``_handle_interrupt`` and, for lazy iterables, ``_open_job``, ``_add_chunk``, ``_end_job``.
     """
 
     _processes: int
@@ -67,6 +73,25 @@ class PoolFrontend:
 
     def _handle_interrupt(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _open_job(self, func: Callable[..., Any], mode: int, result: Any) -> Any:  # pragma: no cover
+        """Register a job whose chunks come later; return the token ``_add_chunk`` and ``_end_job`` take."""
+        raise NotImplementedError
+
+    def _add_chunk(self, token: Any, index: int, items: list[Any]) -> bool:  # pragma: no cover - abstract
+        """Queue chunk ``index`` of an open job; False when the job takes no more (terminated, broken)."""
+        raise NotImplementedError
+
+    def _end_job(self, token: Any, done: bool) -> None:  # pragma: no cover - abstract
+        """No more chunks come for this job; ``done``: every result already arrived (drop the job)."""
+        raise NotImplementedError
+
+    def _lift_read_ahead(self) -> None:
+        """On close: let the input threads read the rest of their iterables without waiting for the caller."""
+        for result in list(self._cache.values()):
+            lift = getattr(result, "_lift_read_ahead", None)
+            if lift is not None:
+                lift()
 
     def size(self) -> int:
         """Return the number of workers of the pool."""
@@ -225,7 +250,21 @@ class PoolFrontend:
         _check_func(func)
         if _check_chunksize(chunksize) > 1:
             return self.map(func, iterable, chunksize)
-        items = _materialize(iterable)
+        if not isinstance(iterable, (list, tuple, range)):
+            if not hasattr(iterable, "__iter__"):
+                raise TypeError(f"iterable must be iterable, got {type(iterable).__name__}")
+            iterator = iter(iterable)
+            lazy = cls(_next_job_id(), self._cache, None)
+            token = self._open_job(func, MODE_MAP, lazy)
+            start_input_thread(
+                iterator,
+                lazy,
+                functools.partial(self._add_chunk, token),
+                functools.partial(self._end_job, token),
+                READ_AHEAD_PER_WORKER * self._processes,
+            )
+            return lazy
+        items = list(iterable)
         result = cls(_next_job_id(), self._cache, len(items))
         if items:
             self._submit(func, MODE_MAP, [[x] for x in items], result)
@@ -243,6 +282,10 @@ class PoolFrontend:
 
         Returns:
             An :class:`~pc_pool.IMapIterator` when ``chunksize`` is 1, else a list of results (as in machin).
+            With ``chunksize=1``, an iterable other than a list, tuple or range is read lazily, as the stdlib
+            does: the call returns at once (an endless generator works), at most ``8 * processes`` elements
+            are read past the last result taken, and if the iterable raises, the results of the elements
+            before come first, then ``next()`` raises its exception.
         """
         return self._imap(func, iterable, chunksize, IMapIterator)
 
@@ -257,7 +300,8 @@ class PoolFrontend:
             chunksize: Size of the chunks sent to workers.
 
         Returns:
-            An :class:`~pc_pool.IMapUnorderedIterator` when ``chunksize`` is 1, else a list of results.
+            An :class:`~pc_pool.IMapUnorderedIterator` when ``chunksize`` is 1, else a list of results. The
+            iterable is read lazily as by :meth:`imap`.
         """
         return self._imap(func, iterable, chunksize, IMapUnorderedIterator)
 

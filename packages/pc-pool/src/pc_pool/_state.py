@@ -113,13 +113,39 @@ class EngineState:
             self.check_running()
             self.jobs[job.id] = job
             for index, items in enumerate(chunks):
-                if self.p2p:
-                    slot = self.chunk_counter % self.processes
-                    self.chunk_counter += 1
-                    self.slot_ready[slot].append(Chunk(job, index, items, slot))
-                else:
-                    self.ready.append(Chunk(job, index, items))
+                self._queue(job, index, items)
             self.cond.notify_all()
+
+    def _queue(self, job: Job, index: int, items: list[Any]) -> None:
+        if self.p2p:
+            slot = self.chunk_counter % self.processes
+            self.chunk_counter += 1
+            self.slot_ready[slot].append(Chunk(job, index, items, slot))
+        else:
+            self.ready.append(Chunk(job, index, items))
+
+    def open_job(self, job: Job) -> None:
+        """Register ``job`` with no chunks yet (they come through :meth:`add_chunk`, from an input thread)."""
+        with self.cond:
+            self.check_running()
+            self.jobs[job.id] = job
+
+    def add_chunk(self, job: Job, index: int, items: list[Any]) -> bool:
+        """Queue chunk ``index`` of an open job; False if the job is gone (the pool terminated or broke)."""
+        with self.cond:
+            if job.id not in self.jobs or self.state is PoolStates.TERMINATE:
+                return False
+            self._queue(job, index, items)
+            self.cond.notify_all()
+            return True
+
+    def drop_job(self, job: Job) -> None:
+        """Drop a complete job whose last result arrived before its input ended."""
+        with self.cond:
+            if self.jobs.pop(job.id, None) is not None:
+                self.cond.notify_all()
+        if self.state is PoolStates.CLOSE:
+            self.wake()
 
     def submit_direct(self, job: Job, items: list[Any]) -> tuple[WorkerHandle, Chunk] | None:
         """Register a one-chunk ``job``; hand its chunk to an idle worker claimed for the caller, if any.

@@ -248,6 +248,7 @@ class BasePool(PoolFrontend):
             if st.state is PoolStates.RUN:
                 st.state = PoolStates.CLOSE
             st.cond.notify_all()
+        self._lift_read_ahead()
         st.wake()
 
     def terminate(self) -> None:
@@ -302,6 +303,19 @@ class BasePool(PoolFrontend):
     # ========================================================================================================
     # Submission (caller threads)
     # ========================================================================================================
+    def _open_job(self, func: Callable[..., Any], mode: int, result: Any) -> Job:
+        result._owner = self
+        job = Job(result._job, func, mode, result)
+        self._engine.open_job(job)
+        return job
+
+    def _add_chunk(self, token: Job, index: int, items: list[Any]) -> bool:
+        return self._engine.add_chunk(token, index, items)
+
+    def _end_job(self, token: Job, done: bool) -> None:
+        if done:
+            self._engine.drop_job(token)
+
     def _submit(self, func: Callable[..., Any], mode: int, chunks: list[list[Any]], result: Any) -> None:
         result._owner = self
         job = Job(result._job, func, mode, result)

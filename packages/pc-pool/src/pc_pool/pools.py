@@ -170,6 +170,9 @@ class CtxPool(Pool):
     def _submit(self, func: Callable[..., Any], mode: int, chunks: list[list[Any]], result: Any) -> None:
         super()._submit(_CtxCall(func), mode, chunks, result)
 
+    def _open_job(self, func: Callable[..., Any], mode: int, result: Any) -> Any:
+        return super()._open_job(_CtxCall(func), mode, result)
+
 
 class _CtxCall:
     """``func`` bound to the worker's context at call time (pickles as the function it wraps)."""

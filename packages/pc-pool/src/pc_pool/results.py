@@ -224,15 +224,17 @@ class IMapIterator:
     """Class whose instances are returned by ``Pool.imap()``: results one at a time, in order.
 
     An element whose task failed raises its exception from :meth:`next` at that element; iteration may
-    continue past it.
+    continue past it. Over a lazy iterable (anything but a list, tuple or range) the elements are read by a
+    pool thread while results come back; if the iterable raises, the results of the elements before the
+    failure come first, then :meth:`next` raises the iterable's exception.
 
     Args:
         job: The job id.
         cache: The pool's job table.
-        length: Number of elements.
+        length: Number of elements; ``None`` while a lazy iterable is still being read.
     """
 
-    def __init__(self, job: int, cache: dict[int, Any], length: int) -> None:
+    def __init__(self, job: int, cache: dict[int, Any], length: int | None) -> None:
         self._job = job
         self._cache = cache
         self._length = length
@@ -241,8 +243,10 @@ class IMapIterator:
         self._index = 0
         self._arrived = 0
         self._terminal: BaseException | None = None
+        self._input_error: BaseException | None = None
+        self._read_ahead_lifted = False
         self._owner: _Owner | None = None
-        if length:
+        if length is None or length:
             cache[job] = self
 
     def __iter__(self) -> Iterator[Any]:
@@ -252,7 +256,18 @@ class IMapIterator:
         return self.next()
 
     def __len__(self) -> int:
-        return self._length
+        """The number of elements; a ``TypeError`` while a lazy iterable has not been read to its end."""
+        length = self._length
+        if length is None:
+            raise TypeError("the length of imap over a lazy iterable is known once the iterable is exhausted")
+        return length
+
+    def _settled(self) -> bool:
+        return (
+            self._available()
+            or self._terminal is not None
+            or (self._length is not None and self._index >= self._length)
+        )
 
     def _available(self) -> bool:
         return self._index in self._items
@@ -270,10 +285,8 @@ class IMapIterator:
         """
         owner = self._owner
         with self._cond:
-            if self._index >= self._length:
-                raise StopIteration
             try:
-                ok = self._cond.wait_for(lambda: self._available() or self._terminal is not None, timeout)
+                ok = self._cond.wait_for(self._settled, timeout)
             except KeyboardInterrupt:
                 if owner is not None:
                     owner._handle_interrupt()
@@ -282,9 +295,15 @@ class IMapIterator:
                 raise multiprocessing.TimeoutError(f"element {self._index} of job {self._job} not ready")
             if self._available():
                 success, value = self._pop()
+            elif self._length is not None and self._index >= self._length:
+                error, self._input_error = self._input_error, None
+                if error is None:
+                    raise StopIteration
+                raise error  # every element before the iterable failed was returned: now its exception
             else:
                 success, value = False, self._terminal
             self._index += 1
+            self._cond.notify_all()  # the input thread reads ahead of this position
         if success:
             return value
         raise value
@@ -295,7 +314,7 @@ class IMapIterator:
                 return True
             self._items[index] = (success, value[0] if success else value)
             self._arrived += 1
-            done = self._arrived >= self._length
+            done = self._length is not None and self._arrived >= self._length
             self._cond.notify_all()
         if done:
             self._cache.pop(self._job, None)
@@ -304,18 +323,50 @@ class IMapIterator:
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
-            if self._arrived >= self._length:
+            if self._length is not None and self._arrived >= self._length:
                 return
             self._terminal = exc
             self._cond.notify_all()
         self._cache.pop(self._job, None)
         self._owner = None
 
+    # -- the input thread of a lazy iterable (pc_pool._input) ------------------------------------------------
+    def _wait_for_room(self, count: int, read_ahead: int, timeout: float) -> bool | None:
+        """Wait until element ``count`` may be read: True; False once failed; None after ``timeout``."""
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: (
+                    self._terminal is not None or self._read_ahead_lifted or count < self._index + read_ahead
+                ),
+                timeout,
+            )
+            if not ok:
+                return None
+            return self._terminal is None
+
+    def _end_input(self, count: int, error: BaseException | None) -> bool:
+        """The iterable gave ``count`` elements (then raised ``error``); return whether the job is done."""
+        with self._cond:
+            self._length = count
+            self._input_error = error
+            done = self._terminal is not None or self._arrived >= count
+            self._cond.notify_all()
+        if done:
+            self._cache.pop(self._job, None)
+            self._owner = None
+        return done
+
+    def _lift_read_ahead(self) -> None:
+        """The pool is closing: read the rest of the input without waiting for the caller to take results."""
+        with self._cond:
+            self._read_ahead_lifted = True
+            self._cond.notify_all()
+
 
 class IMapUnorderedIterator(IMapIterator):
     """Class whose instances are returned by ``Pool.imap_unordered()``: results in completion order."""
 
-    def __init__(self, job: int, cache: dict[int, Any], length: int) -> None:
+    def __init__(self, job: int, cache: dict[int, Any], length: int | None) -> None:
         super().__init__(job, cache, length)
         self._arrivals: collections.deque[tuple[bool, Any]] = collections.deque()
 
@@ -331,7 +382,7 @@ class IMapUnorderedIterator(IMapIterator):
                 return True
             self._arrivals.append((success, value[0] if success else value))
             self._arrived += 1
-            done = self._arrived >= self._length
+            done = self._length is not None and self._arrived >= self._length
             self._cond.notify_all()
         if done:
             self._cache.pop(self._job, None)

@@ -65,6 +65,7 @@ class ThreadPool(PoolFrontend):
             collections.deque()
         )
         self._state = PoolStates.RUN
+        self._open_inputs = 0  # lazy imap jobs whose input thread may still queue tasks
         self._broken: BaseException | None = None
         self._threads = [
             threading.Thread(target=self._run, args=(i,), name=f"pc_pool-thread-{i}", daemon=True)
@@ -90,6 +91,27 @@ class ThreadPool(PoolFrontend):
                 self._tasks.append((func, mode, index, items, result))
             self._cond.notify_all()
 
+    def _open_job(self, func: Callable[..., Any], mode: int, result: Any) -> Any:
+        result._owner = self
+        with self._cond:
+            self._check_running()
+            self._open_inputs += 1
+        return (func, mode, result)
+
+    def _add_chunk(self, token: Any, index: int, items: list[Any]) -> bool:
+        func, mode, result = token
+        with self._cond:
+            if self._state is PoolStates.TERMINATE:
+                return False
+            self._tasks.append((func, mode, index, items, result))
+            self._cond.notify_all()
+        return True
+
+    def _end_job(self, token: Any, done: bool) -> None:
+        with self._cond:
+            self._open_inputs -= 1
+            self._cond.notify_all()
+
     def _run(self, index: int) -> None:
         context = self._context(index)
         try:
@@ -104,7 +126,9 @@ class ThreadPool(PoolFrontend):
         while True:
             with self._cond:
                 while not self._tasks:
-                    if self._state is not PoolStates.RUN:
+                    if self._state is PoolStates.TERMINATE or (
+                        self._state is PoolStates.CLOSE and not self._open_inputs
+                    ):
                         return
                     self._cond.wait(_TICK)
                 func, mode, chunk, items, result = self._tasks.popleft()
@@ -140,6 +164,7 @@ class ThreadPool(PoolFrontend):
             if self._state is PoolStates.RUN:
                 self._state = PoolStates.CLOSE
             self._cond.notify_all()
+        self._lift_read_ahead()
 
     def terminate(self) -> None:
         """Fail every pending result with :class:`~pc_pool.PoolTerminatedError`; running calls finish."""

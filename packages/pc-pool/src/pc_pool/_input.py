@@ -1,0 +1,95 @@
+"""The input thread of ``imap``/``imap_unordered`` over a lazy iterable: bounded read-ahead, as in the stdlib.
+
+The stdlib's pools hand a generator to a thread and return at once, so ``imap`` over an endless generator
+yields its first results, and a generator that raises at item k yields items 0..k-1 before the error. One
+input thread per such call does the same here: it takes one element at a time and queues it as one chunk of
+the call's job. Unlike the stdlib, it reads at most ``read_ahead`` elements past the last result the caller
+took, so an endless or huge iterable holds bounded memory; once the pool is closed the bound is lifted (the
+rest of the input drains, as ``close()`` promises, without the caller reading results). The thread ends when
+the iterable is exhausted or raises, when the job can take no more (the pool was terminated or broke), or
+when the result handle failed.
+
+Lists, tuples and ranges are not read by a thread: they are already in memory and are queued at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from pc_pool._engine import TICK, block_sigint_in_this_thread
+
+__all__ = ["READ_AHEAD_PER_WORKER", "LazyResult", "start_input_thread"]
+
+# Elements read past the caller's position, per worker of the pool: enough to keep every worker's window busy.
+READ_AHEAD_PER_WORKER = 8
+
+
+class LazyResult(Protocol):
+    """What the input thread needs of the result handle (:class:`~pc_pool.IMapIterator`)."""
+
+    def _wait_for_room(self, count: int, read_ahead: int, timeout: float) -> bool | None: ...
+
+    def _end_input(self, count: int, error: BaseException | None) -> bool: ...
+
+
+def start_input_thread(
+    iterator: Iterator[Any],
+    result: LazyResult,
+    add: Callable[[int, list[Any]], bool],
+    end: Callable[[bool], None],
+    read_ahead: int,
+) -> threading.Thread:
+    """Start the thread that reads ``iterator`` into one job.
+
+    Args:
+        iterator: The caller's elements.
+        result: The job's result handle; it bounds the read-ahead and learns the final count (unless the job
+            was failed first: then its handle raises that failure after the results that arrived, never a
+            ``StopIteration`` that would pass a cut-short input off as complete).
+        add: Queues element ``index`` as a one-element chunk; False when the job takes no more.
+        end: Called once at the end with whether the job is complete (every result arrived).
+        read_ahead: Elements read at most past the last result the caller took.
+
+    Returns:
+        The started daemon thread.
+    """
+    thread = threading.Thread(
+        target=_read, args=(iterator, result, add, end, read_ahead), name="pc_pool-imap-input", daemon=True
+    )
+    thread.start()
+    return thread
+
+
+def _read(
+    iterator: Iterator[Any],
+    result: LazyResult,
+    add: Callable[[int, list[Any]], bool],
+    end: Callable[[bool], None],
+    read_ahead: int,
+) -> None:
+    block_sigint_in_this_thread()
+    count = 0
+    error: BaseException | None = None
+    cut_short = True  # the job was failed (terminate, a broken pool): its handle reports that, not an end
+    try:
+        while True:
+            room = result._wait_for_room(count, read_ahead, TICK)
+            if room is None:
+                continue  # TICK passed: re-check (a backstop; every change notifies)
+            if not room:
+                break
+            try:
+                item = next(iterator)
+            except StopIteration:
+                cut_short = False
+                break
+            except Exception as exc:  # the caller's iterable failed: its results so far, then this error
+                error, cut_short = exc, False
+                break
+            if not add(count, [item]):
+                break
+            count += 1
+    finally:
+        end(False if cut_short else result._end_input(count, error))
