@@ -255,6 +255,7 @@ class WorkerSet:
                 pending.pop(sentinel)  # type: ignore[arg-type]
         for w in pending.values():
             w.process.kill()
+        _serial.collect_cuda_ipc()
 
     def join_all(self) -> None:
         """Wait for every worker to exit (``KILL_GRACE`` seconds each, then SIGKILL)."""
@@ -264,3 +265,4 @@ class WorkerSet:
                 if w.process.exitcode is None:
                     w.process.kill()
                     w.process.join(TICK)
+        _serial.collect_cuda_ipc()

@@ -396,5 +396,6 @@ def worker_main(
         worker_fn(TaskGetter(task_conn, copy_tensor), put, initializer, tuple(initargs), maxtasks)
     except _Terminated:
         terminated = True
+    _serial.collect_cuda_ipc()  # results this worker shared that the pool has let go of
     if terminated:  # outside the except block: its traceback (and the frames' tensors) are gone by now
         _die_of_sigterm()
