@@ -99,6 +99,9 @@ def test_ranks_that_disagree_on_autograd_all_refuse(grid: list[dict[str, Any]]) 
 # ------------------------------------------------------------------------------------- training wrappers
 @pytest.fixture(scope="module")
 def wrappers() -> list[dict[str, Any]]:
+    # A torch optimizer's first construction imports torch._dynamo (seconds); do it once here, so that forked
+    # ranks inherit it instead of each importing it again.
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     return _world(wrappers_world, 2)
 
 
