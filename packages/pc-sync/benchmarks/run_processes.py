@@ -37,7 +37,7 @@ RANKS = 2
 
 
 class _AllReduce(torch.autograd.Function):
-    """``all_reduce(SUM)`` whose gradient is the all-reduced gradient (every rank's loss depends on the sum)."""
+    """``all_reduce(SUM)`` whose gradient is the all-reduced gradient (each rank's loss uses the sum)."""
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
