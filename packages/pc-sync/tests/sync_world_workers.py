@@ -77,6 +77,7 @@ def compare_layer(
     steps: int = 2,
     channels_last: bool = False,
     replicas: int = 0,
+    device: str = "cpu",
     **kwargs: Any,
 ) -> dict[str, Any]:
     """``steps`` training steps and one eval step; the largest difference to the full-batch reference.
@@ -91,6 +92,8 @@ def compare_layer(
     _randomize(ref, gen)
     ours = pc_sync.SyncBatchNorm(channels, dtype=torch.float64, **kwargs)
     ours.load_state_dict(ref.state_dict())
+    ref.to(device)
+    ours.to(device)
     model: nn.Module = ours
     if replicas:
         from pc_replicate import ReplicationCallbackDataParallel
@@ -107,8 +110,8 @@ def compare_layer(
         training = step < steps
         ref.train(training)
         model.train(training)
-        x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + 5
-        g = torch.randn(shape, generator=gen, dtype=torch.float64)
+        x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + 5).to(device)
+        g = torch.randn(shape, generator=gen, dtype=torch.float64).to(device)
         if channels_last:
             fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
             x = x.contiguous(memory_format=fmt)
@@ -132,7 +135,7 @@ def compare_layer(
         if local_eval:
             continue
         for name, p in ours.named_parameters():
-            grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            grad = p.grad.cpu() if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)
             dist.all_reduce(grad)
             ref_p = dict(ref.named_parameters())[name]
             note(f"{name}_grad", _max_diff(grad, ref_p.grad))
@@ -335,3 +338,45 @@ def failing_world(rank: int, mode: str) -> dict[str, str]:
     except (ConnectionError, TimeoutError) as exc:
         return {"type": type(exc).__name__, "message": str(exc)}
     return {"type": "no error", "message": ""}
+
+
+# ------------------------------------------------------------------------------------------------ GPUs
+def shared_gpu_world(rank: int) -> dict[str, Any]:
+    """Two ranks on one GPU over gloo: CUDA tensors through the same collectives as on CPU."""
+    torch.cuda.set_device(0)
+    return {
+        "4d": compare_layer(rank, [3, 5], (8, 3, 4, 5), seed=31, device="cuda:0"),
+        "empty_rank": compare_layer(rank, [0, 6], (6, 3, 2, 3), seed=32, device="cuda:0"),
+    }
+
+
+def nccl_vs_torch_world(rank: int) -> dict[str, float]:
+    """One GPU per rank, NCCL, DDP: pc_sync.SyncBatchNorm against torch.nn.SyncBatchNorm, step by step."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    sizes = [3, 5]
+    lo, hi = _bounds(sizes, rank)
+    states = {}
+    outputs = {}
+    for name, convert in (
+        ("pc", pc_sync.convert_sync_batchnorm),
+        ("torch", nn.SyncBatchNorm.convert_sync_batchnorm),
+    ):
+        model = convert(small_cnn(0).float()).to(device)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(41)
+        outs = []
+        for _ in range(3):
+            x = torch.randn(sum(sizes), 3, 5, 5, generator=gen)[lo:hi].to(device)
+            g = torch.randn(sum(sizes), 3, generator=gen)[lo:hi].to(device)
+            opt.zero_grad()
+            y = ddp(x)
+            (y * g).sum().backward()
+            opt.step()
+            outs.append(y.detach())
+        states[name] = _state(model)
+        outputs[name] = torch.cat(outs)
+    diff = {k: _max_diff(v, states["torch"][k]) for k, v in states["pc"].items()}
+    diff["outputs"] = _max_diff(outputs["pc"], outputs["torch"])
+    return diff
