@@ -287,17 +287,24 @@ def wrappers_world(rank: int) -> dict[str, Any]:
     out["ddp"] = {k: _max_diff(v, expected[k]) for k, v in _state(ddp_model).items()}
     out["ddp_collectives"] = counts_seen
 
-    pc_model = pc_sync.convert_sync_batchnorm(small_cnn(0))
-    pc_opt = pc_distributed.DataParallelOptimizer(torch.optim.SGD(pc_model.parameters(), lr=0.1))
-    pc_dp = pc_distributed.DataParallel(pc_model, optimizer=pc_opt, blocking_parameter_updates=True)
+    for name, blocking in (("pc_data_parallel", True), ("pc_data_parallel_deferred", False)):
+        pc_model = pc_sync.convert_sync_batchnorm(small_cnn(0))
+        pc_opt = pc_distributed.DataParallelOptimizer(torch.optim.SGD(pc_model.parameters(), lr=0.1))
+        pc_dp = pc_distributed.DataParallel(pc_model, optimizer=pc_opt, blocking_parameter_updates=blocking)
 
-    def pc_step(x: torch.Tensor, g: torch.Tensor) -> None:
-        pc_opt.zero_grad()
-        (pc_dp(x) * g).sum().mul(world).backward()
-        pc_opt.step()
+        def pc_step(
+            x: torch.Tensor,
+            g: torch.Tensor,
+            pc_dp: nn.Module = pc_dp,
+            pc_opt: pc_distributed.DataParallelOptimizer = pc_opt,
+        ) -> None:
+            pc_opt.zero_grad()
+            (pc_dp(x) * g).sum().mul(world).backward()
+            pc_opt.step()
 
-    _train(pc_step, sizes, rank)
-    out["pc_data_parallel"] = {k: _max_diff(v, expected[k]) for k, v in _state(pc_model).items()}
+        _train(pc_step, sizes, rank)
+        pc_dp.flush()  # the deferred mode's last update is applied here
+        out[name] = {k: _max_diff(v, expected[k]) for k, v in _state(pc_model).items()}
 
     two_level = pc_sync.convert_sync_batchnorm(small_cnn(0))
     inner = ReplicationCallbackDataParallel(two_level, device_ids=["cpu"] * 2)

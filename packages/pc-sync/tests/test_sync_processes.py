@@ -110,7 +110,9 @@ def wrappers() -> list[dict[str, Any]]:
     return _world(wrappers_world, 2)
 
 
-@pytest.mark.parametrize("how", ["ddp", "pc_data_parallel", "replicas_in_processes"])
+@pytest.mark.parametrize(
+    "how", ["ddp", "pc_data_parallel", "pc_data_parallel_deferred", "replicas_in_processes"]
+)
 def test_training_equals_full_batch_training(wrappers: list[dict[str, Any]], how: str) -> None:
     for rank, result in enumerate(wrappers):
         diff = result[how]
