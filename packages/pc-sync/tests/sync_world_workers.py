@@ -170,7 +170,23 @@ def grid_world(rank: int) -> dict[str, Any]:
     out["bfloat16"] = _bfloat16(rank, sizes)
     out["one_member"] = _one_member_group(rank)
     out["mixed_recording"] = _mixed_recording(rank)
+    out["crossed_backward"] = _crossed_backward(rank)
+    out["after_crossed"] = compare_layer(rank, sizes, (8, 3, 2), seed=12)
     return out
+
+
+def _crossed_backward(rank: int) -> str:
+    """Two independent layers of equal width whose backward rank 0 runs in the other ranks' reverse order."""
+    first, second = pc_sync.SyncBatchNorm(3), pc_sync.SyncBatchNorm(3)
+    gen = torch.Generator().manual_seed(rank)
+    x1, x2 = (torch.randn(4, 3, generator=gen, requires_grad=True) for _ in range(2))
+    losses = [(first(x1) * torch.randn(4, 3, generator=gen)).sum(), second(x2).square().sum()]
+    try:
+        for loss in losses if rank == 0 else losses[::-1]:
+            loss.backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
 
 
 def _bfloat16(rank: int, sizes: list[int]) -> dict[str, float]:

@@ -96,6 +96,14 @@ def test_one_member_group_is_a_plain_batch_norm(grid: list[dict[str, Any]]) -> N
         assert obs["running_var"] <= TOL
 
 
+def test_backward_in_different_orders_raises_on_every_rank(grid: list[dict[str, Any]]) -> None:
+    for result in grid:
+        assert "backward in different orders" in result["crossed_backward"], result["crossed_backward"]
+    for rank, result in enumerate(grid):  # the group works on afterwards
+        bad = {k: v for k, v in result["after_crossed"]["diff"].items() if not v <= TOL}
+        assert not bad, f"rank {rank}: {bad}"
+
+
 def test_ranks_that_disagree_on_autograd_all_refuse(grid: list[dict[str, Any]]) -> None:
     for result in grid:
         assert "ranks [0]" in result["mixed_recording"], result["mixed_recording"]

@@ -18,7 +18,11 @@ mean)`` (the terms through ``mean`` cancel because ``sum_q n_q (mean_q - mean) =
 
 Every rank must take part in both collectives, also with an empty batch (count 0). Whether a rank records the
 backward node travels with the forward table, so a rank that would skip the backward collective is an error
-on every rank in forward instead of a hang in backward.
+on every rank in forward instead of a hang in backward. The backward packet also carries the call's ordinal
+(its place among this group's recording calls, the same on every rank): a backward that met another layer
+call on some peer (autograd ran independent branches in different orders) raises instead of passing mixed
+gradients on silently: at once on CPU, at the group's next forward exchange on accelerators (whose counts that
+exchange reads anyway), so backward adds no host synchronization there.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ __all__ = ["group_size", "reduce_across_processes"]
 
 _WIRE = torch.float64
 _HEADER = 2  # count, records-backward flag
+_ORDINAL_WRAP = 2**31  # call ordinals stay exact in float64 sums over any group size
+# Recording calls per process group in this process: the forward gathers run in the same order on every rank,
+# so the n-th call is the same layer call on every rank; backward checks it met its peers' n-th call.
+_recorded_calls: dict[int, int] = {}
+# Summed ordinals of backward exchanges on accelerators, checked at the group's next forward exchange.
+_unchecked: dict[int, list[tuple[torch.Tensor, int]]] = {}
 
 
 def group_size(group: Any) -> int:
@@ -86,6 +96,24 @@ def _all_reduce(packet: torch.Tensor, group: Any) -> None:
         raise _lost_peer("backward", group, exc) from exc
 
 
+def _check_same_call(summed: float, ordinal: int, group: Any) -> None:
+    """Raise if a backward all_reduce summed different layer calls' gradients across the ranks."""
+    expected = float(ordinal) * dist.get_world_size(group)
+    if summed != expected:
+        raise RuntimeError(
+            f"SyncBatchNorm: rank {dist.get_rank(group)}'s backward exchange for its layer call #{ordinal} "
+            "met other layer calls on its peers: the processes ran the synchronized layers' backward in "
+            "different orders (independent branches whose order autograd does not fix), so those gradients "
+            "were wrong. Make the forward the same on every rank, or join the branches in one layer"
+        )
+
+
+def _check_pending(group: Any) -> None:
+    """The checks that backward left for later on devices where reading the result would wait for it."""
+    for summed, ordinal in _unchecked.pop(id(group), []):
+        _check_same_call(float(summed), ordinal, group)
+
+
 class _AcrossProcesses(torch.autograd.Function):
     """``(mean_p, M2_p) -> (mean, M2)``: the global statistics; backward all-reduces their gradient.
 
@@ -103,22 +131,29 @@ class _AcrossProcesses(torch.autograd.Function):
         count_p: int,
         total: int,
         group: Any,
+        ordinal: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(mean_p.detach().to(_WIRE) - mean)
         ctx.count_p = count_p
         ctx.total = total
         ctx.group = group
+        ctx.ordinal = ordinal
         return mean.to(mean_p.dtype), m2.to(m2_p.dtype)
 
     @staticmethod
     def backward(ctx: Any, g_mean: torch.Tensor, g_m2: torch.Tensor) -> tuple[Any, ...]:
         (diff,) = ctx.saved_tensors
         channels = g_mean.numel()
-        packet = torch.cat([g_mean.reshape(-1), g_m2.reshape(-1)]).to(_WIRE)
+        ordinal = torch.full((1,), float(ctx.ordinal), dtype=_WIRE, device=g_mean.device)
+        packet = torch.cat([g_mean.reshape(-1).to(_WIRE), g_m2.reshape(-1).to(_WIRE), ordinal])
         _all_reduce(packet, ctx.group)
-        total_mean, total_m2 = packet[:channels], packet[channels:]
+        if packet.device.type == "cpu":
+            _check_same_call(float(packet[-1]), ctx.ordinal, ctx.group)
+        else:  # read at the next forward exchange, which reads the gathered counts anyway: no extra sync here
+            _unchecked.setdefault(id(ctx.group), []).append((packet[-1:], ctx.ordinal))
+        total_mean, total_m2 = packet[:channels], packet[channels : 2 * channels]
         grad_mean_p = (ctx.count_p / ctx.total) * total_mean + (2 * ctx.count_p) * total_m2 * diff
-        return grad_mean_p.to(g_mean.dtype), total_m2.to(g_m2.dtype), None, None, None, None, None
+        return grad_mean_p.to(g_mean.dtype), total_m2.to(g_m2.dtype), None, None, None, None, None, None
 
 
 def reduce_across_processes(
@@ -154,6 +189,7 @@ def reduce_across_processes(
     local[_HEADER + channels :] = m2_p.detach().reshape(-1)
     table = _all_gather(local, size, group)
     header = table[:, :_HEADER].cpu()
+    _check_pending(group)
     counts = [int(c) for c in header[:, 0].tolist()]
     flags = [bool(f) for f in header[:, 1].tolist()]
     total = sum(counts)
@@ -172,7 +208,10 @@ def reduce_across_processes(
     m2 = table[:, _HEADER + channels :].sum(0) + (table[:, 0:1] * (means - mean).square()).sum(0)
     if not records:
         return mean.to(mean_p.dtype), m2.to(m2_p.dtype), total
+    key = id(group)
+    ordinal = _recorded_calls.get(key, 0)
+    _recorded_calls[key] = (ordinal + 1) % _ORDINAL_WRAP
     out_mean, out_m2 = _AcrossProcesses.apply(  # type: ignore[no-untyped-call]
-        mean_p, m2_p, mean, m2, count_p, total, group
+        mean_p, m2_p, mean, m2, count_p, total, group, ordinal
     )
     return out_mean, out_m2, total
