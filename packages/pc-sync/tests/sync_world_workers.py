@@ -347,19 +347,31 @@ def wrappers_world(rank: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ failures
 def failing_world(rank: int, mode: str) -> dict[str, str]:
-    """Rank 1 raises (``mode="raise"``) or dies (``"die"``) instead of reaching the layer; rank 0 reports."""
+    """Rank 1 raises (``mode="raise"``), dies (``"die"``) or stalls past the group's timeout (``"stall"``,
+    until rank 0 releases it through the store) instead of reaching the layer; rank 0 reports what it got.
+    """
+    import pc_distributed
+
     torch.set_num_threads(1)
+    world = pc_distributed.get_world()
+    assert world is not None
     bn = pc_sync.SyncBatchNorm(3)
     x = torch.randn(4, 3, 2, requires_grad=True)
     bn(x).sum().backward()  # one good step first: the group works
     if rank == 1:
         if mode == "die":
             os._exit(3)
+        if mode == "stall":
+            world.waits.wait(["released"], 120.0)
+            return {"type": "released", "message": ""}
         raise RuntimeError("rank 1 failed before its batch norm")
     try:
         bn(x).sum().backward()
     except (ConnectionError, TimeoutError) as exc:
         return {"type": type(exc).__name__, "message": str(exc)}
+    finally:
+        if mode == "stall":
+            world.store.set("released", b"1")
     return {"type": "no error", "message": ""}
 
 

@@ -153,6 +153,14 @@ def test_a_failing_rank_gives_the_others_an_error_naming_it(mode: str) -> None:
     assert "on rank 0" in survivor["message"], survivor
 
 
+def test_a_stalled_rank_gives_the_others_a_timeout_naming_it() -> None:
+    # rank 1 stays alive but away from the layer past the group's 5 s timeout, until rank 0 releases it
+    survivor, stalled = _world(failing_world, 2, "stall", dist_timeout=5)
+    assert stalled["type"] == "released"
+    assert survivor["type"] == "TimeoutError", survivor
+    assert "rank(s) [1]" in survivor["message"], survivor
+
+
 # ------------------------------------------------------------------------------------ no process group
 def test_constructor_is_torchs() -> None:
     ours = inspect.signature(pc_sync.SyncBatchNorm).parameters
