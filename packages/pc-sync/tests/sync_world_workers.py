@@ -150,28 +150,29 @@ def compare_layer(
 
 
 def grid_world(rank: int) -> dict[str, Any]:
-    """Three ranks, uneven batches with an empty rank; every input rank and option; counted collectives."""
+    """Four ranks, uneven batches with an empty rank; every input rank and option; counted collectives."""
     torch.set_num_threads(1)
-    sizes = [3, 0, 5]
+    sizes = [3, 0, 5, 2]
+    n = sum(sizes)
     out: dict[str, Any] = {}
     cases: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
-        "2d": ((8, 4), {}),
-        "3d": ((8, 3, 5), {"momentum": None}),
-        "4d": ((8, 3, 4, 5), {}),
-        "5d": ((8, 2, 3, 2, 4), {}),
-        "4d_channels_last": ((8, 3, 4, 5), {"channels_last": True}),
-        "affine_false": ((8, 3, 4), {"affine": False}),
-        "no_running_stats": ((8, 3, 4), {"track_running_stats": False}),
+        "2d": ((n, 4), {}),
+        "3d": ((n, 3, 5), {"momentum": None}),
+        "4d": ((n, 3, 4, 5), {}),
+        "5d": ((n, 2, 3, 2, 4), {}),
+        "4d_channels_last": ((n, 3, 4, 5), {"channels_last": True}),
+        "affine_false": ((n, 3, 4), {"affine": False}),
+        "no_running_stats": ((n, 3, 4), {"track_running_stats": False}),
     }
     for i, (name, (shape, kwargs)) in enumerate(cases.items()):
         out[name] = compare_layer(rank, sizes, shape, seed=100 + i, **kwargs)
-    out["even"] = compare_layer(rank, [2, 2, 2], (6, 3, 3, 3), seed=7)
-    out["replicas"] = compare_layer(rank, [4, 6, 5], (15, 3, 2, 3), seed=8, replicas=2)
+    out["even"] = compare_layer(rank, [2, 2, 2, 2], (8, 3, 3, 3), seed=7)
+    out["replicas"] = compare_layer(rank, [4, 6, 5, 3], (18, 3, 2, 3), seed=8, replicas=2)
     out["bfloat16"] = _bfloat16(rank, sizes)
     out["one_member"] = _one_member_group(rank)
     out["mixed_recording"] = _mixed_recording(rank)
     out["crossed_backward"] = _crossed_backward(rank)
-    out["after_crossed"] = compare_layer(rank, sizes, (8, 3, 2), seed=12)
+    out["after_crossed"] = compare_layer(rank, sizes, (n, 3, 2), seed=12)
     return out
 
 
@@ -192,7 +193,7 @@ def _crossed_backward(rank: int) -> str:
 def _bfloat16(rank: int, sizes: list[int]) -> dict[str, float]:
     """A bf16 input under CPU autocast: bf16 output, fp32 statistics of the whole batch."""
     gen = torch.Generator().manual_seed(11)
-    x = (torch.randn(8, 3, 4, 4, generator=gen) * 2 + 10).to(torch.bfloat16)
+    x = (torch.randn(sum(sizes), 3, 4, 4, generator=gen) * 2 + 10).to(torch.bfloat16)
     ours = pc_sync.SyncBatchNorm(3)
     ref = nn.BatchNorm2d(3, dtype=torch.float64)
     lo, hi = _bounds(sizes, rank)

@@ -40,7 +40,7 @@ def _world(fn: Any, size: int, *args: Any, **kwargs: Any) -> list[Any]:
 
 @pytest.fixture(scope="module")
 def grid() -> list[dict[str, Any]]:
-    return _world(grid_world, 3)
+    return _world(grid_world, 4)
 
 
 LAYER_CASES = [
