@@ -218,7 +218,14 @@ def _one_member_group(rank: int) -> dict[str, Any]:
     ref = nn.BatchNorm1d(3, dtype=torch.float64)
     with count_collectives() as counts:
         y = ours(x)
+    foreign = pc_sync.SyncBatchNorm(3, process_group=groups[(rank + 1) % len(groups)])
+    try:
+        foreign(x.float())
+        not_member = "no error"
+    except ValueError as exc:
+        not_member = str(exc)
     return {
+        "not_member": not_member,
         "output": _max_diff(y, ref(x)),
         "running_var": _max_diff(ours.running_var, ref.running_var),
         "collectives": dict(counts),

@@ -92,6 +92,7 @@ def test_one_member_group_is_a_plain_batch_norm(grid: list[dict[str, Any]]) -> N
     for result in grid:
         obs = result["one_member"]
         assert obs["collectives"] == {}
+        assert "is not a member of process_group" in obs["not_member"], obs["not_member"]
         assert obs["output"] <= TOL
         assert obs["running_var"] <= TOL
 
