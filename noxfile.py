@@ -26,7 +26,7 @@ PACKAGES = sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "psutil>=5.9", "hypothesis>=6.100"]
 # Test-only needs beyond a package's runtime closure; local names are installed from packages/.
 EXTRA_TEST_DEPS: dict[str, list[str]] = {
-    "pc-sync": ["pc-replicate"],
+    "pc-sync": ["pc-replicate", "pc-distributed"],  # pc-distributed: run_world in the process-group tests
     "pc-assigner": ["scipy>=1.9"],
 }
 # What the demo, the integration tests and the benchmarks use beyond the packages themselves.

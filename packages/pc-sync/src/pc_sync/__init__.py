@@ -1,16 +1,18 @@
-"""SyncMaster/SlavePipe and synchronized batch norm across DataParallel replicas that never deadlocks."""
+"""SyncMaster/SlavePipe, and batch norm synchronized across DataParallel replicas and across processes."""
 
 from pc_sync.__about__ import __version__
 from pc_sync.batchnorm import SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
 from pc_sync.comm import FutureResult, SlavePipe, SyncMaster
 from pc_sync.convert import convert_model
 from pc_sync.errors import DEFAULT_SYNC_TIMEOUT, SyncAbortedError, SyncError, SyncTimeoutError
+from pc_sync.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",
     "FutureResult",
     "SlavePipe",
     "SyncAbortedError",
+    "SyncBatchNorm",
     "SyncError",
     "SyncMaster",
     "SyncTimeoutError",
@@ -19,4 +21,5 @@ __all__ = [
     "SynchronizedBatchNorm3d",
     "__version__",
     "convert_model",
+    "convert_sync_batchnorm",
 ]

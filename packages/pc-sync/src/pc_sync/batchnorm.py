@@ -64,8 +64,10 @@ def _local_stats(x: torch.Tensor) -> tuple[_ChildMessage, torch.Tensor, torch.Te
     count = x.numel() // channels if channels else 0
     xs = x.float() if x.dtype in _LOW_PRECISION else x
     if count == 0:
-        zeros = xs.new_zeros(channels)
-        return _ChildMessage(zeros, zeros, 0), xs, xs, None
+        # Sums over no values: zeros that stay in the graph when ``x`` requires grad, so an empty replica or
+        # process records the same autograd nodes as its peers.
+        dims = [0, *range(2, x.dim())]
+        return _ChildMessage(xs.sum(dims), xs.sum(dims), 0), xs, xs, None
     mean, m2, centered, handoff = local_stats(xs)
     return _ChildMessage(mean, m2, count), xs, centered, handoff
 
@@ -236,11 +238,11 @@ class _SyncBNMixin(nn.Module):
         """Combine every replica's statistics, update the running statistics once, and answer each replica."""
         msgs: list[_ChildMessage] = [msg for _, msg in intermediates]
         device = msgs[0].mean.device
-        mean, m2, total = _combine(msgs, device)
+        mean, m2, total = self._global_stats(*_combine(msgs, device))
         if total <= 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got {total} value(s) per channel "
-                f"across {len(msgs)} replica(s)"
+                f"across {len(msgs)} replica(s){self._scope()}"
             )
         inv_std = torch.rsqrt(m2 / total + self.eps)
         self._update_running_stats(mean, m2 / (total - 1))
@@ -254,6 +256,16 @@ class _SyncBNMixin(nn.Module):
             )
             for ident, m in intermediates
         ]
+
+    def _global_stats(
+        self, mean: torch.Tensor, m2: torch.Tensor, total: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The whole batch's statistics from this process's: the same, unless a subclass spans processes."""
+        return mean, m2, total
+
+    def _scope(self) -> str:
+        """Where the counted values came from beyond this process's replicas, for error messages."""
+        return ""
 
     def _update_running_stats(self, mean: torch.Tensor, unbiased_var: torch.Tensor) -> None:
         if not self.track_running_stats or self.running_mean is None or self.running_var is None:
