@@ -17,7 +17,6 @@ Run: ``python packages/pc-sync/benchmarks/run_processes.py [--quick] [--out resu
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 from collections.abc import Callable
@@ -124,8 +123,6 @@ def main() -> None:
     args = bench_args("pc-sync processes")
     report = Report("pc-sync")
     batch, repeat = (16, 5) if args.quick else (32, 20)
-    # torch 2.4's env:// rendezvous needs this whenever run_world's ranks start without RPC.
-    os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
     # A torch optimizer's first construction imports torch._dynamo; forked ranks inherit it from here.
     torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     results = pc_distributed.run_world(

@@ -8,9 +8,7 @@ largest differences and the collectives they counted, and the assertions run her
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -32,10 +30,7 @@ def _start_method() -> str:
 def _world(fn: Any, size: int, *args: Any, **kwargs: Any) -> list[Any]:
     options: dict[str, Any] = {"timeout": 120, "dist_timeout": 20, "init_rpc": False}
     options.update(kwargs)
-    # torch 2.4's env:// rendezvous reads TORCHELASTIC_RESTART_COUNT whenever the agent store is in use, and
-    # run_world's ranks only set the latter when RPC is off; "0" is the value every other path assumes.
-    with mock.patch.dict(os.environ, {"TORCHELASTIC_RESTART_COUNT": "0"}):
-        return pd.run_world(fn, size, args=args, start_method=_start_method(), **options)  # type: ignore[no-any-return]
+    return pd.run_world(fn, size, args=args, start_method=_start_method(), **options)  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")

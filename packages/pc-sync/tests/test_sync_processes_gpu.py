@@ -6,9 +6,7 @@ Every test carries the ``gpu`` marker and skips itself without enough CUDA devic
 
 from __future__ import annotations
 
-import os
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -20,10 +18,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _world(fn: Any, size: int, backend: str) -> list[Any]:
-    with mock.patch.dict(os.environ, {"TORCHELASTIC_RESTART_COUNT": "0"}):
-        return pd.run_world(  # type: ignore[no-any-return]
-            fn, size, backend=backend, init_rpc=False, timeout=300, dist_timeout=60, start_method="spawn"
-        )
+    return pd.run_world(  # type: ignore[no-any-return]
+        fn, size, backend=backend, init_rpc=False, timeout=300, dist_timeout=60, start_method="spawn"
+    )
 
 
 def test_two_ranks_sharing_one_gpu_over_gloo_match_the_full_batch() -> None:
