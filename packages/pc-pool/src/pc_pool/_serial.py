@@ -11,8 +11,9 @@ import logging
 import pickle
 from typing import Any
 
-import pc_pickle
 import torch
+
+import pc_pickle
 
 __all__ = ["collect_cuda_ipc", "dumps", "loads", "release"]
 
@@ -101,4 +102,5 @@ def collect_cuda_ipc() -> None:
     outlives the pool. A no-op in a process that has not initialised CUDA.
     """
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        torch.cuda.ipc_collect()
+        collect: Any = torch.cuda.ipc_collect  # Any: untyped on some torch releases
+        collect()
