@@ -8,7 +8,7 @@ import pool_testutils as tu
 import pytest
 import torch
 
-from pc_pool import Pool
+from pc_pool import Pool, _serial
 
 
 def _add_one_cuda(t: torch.Tensor) -> torch.Tensor:
@@ -50,3 +50,24 @@ def test_pool_cuda_copy_keeps_caller_tensor() -> None:
         assert torch.equal(t.cpu(), torch.zeros(4))
         assert out.device.type == "cuda"
         assert torch.equal(out.cpu(), torch.ones(4))
+
+
+@pytest.mark.parametrize("initialized", [False, True])
+def test_collect_cuda_ipc_only_where_cuda_is_initialized(
+    monkeypatch: pytest.MonkeyPatch, initialized: bool
+) -> None:
+    # Both branches on any machine: the collect runs after a pool's workers exit, and must not initialise
+    # CUDA in a process that never used it.
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: calls.append("collect"))
+    _serial.collect_cuda_ipc()
+    assert calls == (["collect"] if initialized else [])
+    calls.clear()
+    with Pool(1, share_method="cpu") as pool:  # forked: no helper process outlives the test
+        assert pool.apply(abs, (-3,)) == 3
+        pool.close()
+        pool.join(tu.T)
+        assert ("collect" in calls) is initialized  # after the workers exited
+    assert set(calls) == ({"collect"} if initialized else set())

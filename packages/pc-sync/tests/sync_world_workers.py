@@ -65,7 +65,9 @@ def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
         return float("inf")
     if a.numel() == 0:
         return 0.0
-    return float((a.double() - b.double()).abs().max())
+    return float(
+        (a.detach().cpu().double() - b.detach().cpu().double()).abs().max()
+    )  # either may be on a GPU
 
 
 def compare_layer(
