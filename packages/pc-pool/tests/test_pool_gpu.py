@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+from multiprocessing import resource_tracker
 from multiprocessing.pool import MaybeEncodingError
+from multiprocessing.reduction import ForkingPickler
 
 import pool_testutils as tu
 import pytest
 import torch
 
 from pc_pool import Pool, _serial
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_wide_cuda_state() -> None:
+    """Make this process's CUDA context, CUDA IPC state and spawn's resource tracker before the leak snapshot.
+
+    Each is made once per process, by whichever test uses it first, and lives until the process exits (the
+    driver's ``/dev/shm/cuda.shm.*`` descriptor among them): not a pool's leak, and without this the first
+    CUDA test of a run would be blamed for them.
+    """
+    if torch.cuda.is_available():
+        # torch.multiprocessing (imported by pc_pool) registered torch's reducers with ForkingPickler
+        ForkingPickler.dumps(torch.zeros(1, device="cuda"))  # opens the driver's IPC state
+        resource_tracker.ensure_running()
 
 
 def _add_one_cuda(t: torch.Tensor) -> torch.Tensor:
