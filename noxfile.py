@@ -218,7 +218,7 @@ def adversarial(session: nox.Session) -> None:
     examples = session.posargs[0] if session.posargs else os.environ.get("PC_ADVERSARIAL_EXAMPLES", "200")
     if not examples.isdigit():
         session.error(f"usage: nox -s adversarial -- [EXAMPLES] (an integer), got {session.posargs}")
-    _install_all(session, *DEMO_DEPS, *INDEX_TEST_DEPS, "scipy>=1.9", "hypothesis>=6")
+    _install_all(session)
     session.env["PC_ADVERSARIAL_EXAMPLES"] = examples
     _pytest(session, *[f"packages/{p}/tests" for p in PACKAGES], marker="adversarial")
 
