@@ -6,6 +6,9 @@ behaviour on them, so a failure stays attributable.
 
 from __future__ import annotations
 
+import queue
+import threading
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -96,6 +99,7 @@ def _collective_checks(rank: int) -> dict[str, Any]:
     tl = [torch.tensor([rank + 1.0]), torch.tensor([1.0])]
     group.all_reduce_multigpu(tl, async_op=True).wait()
     out["ar_multi_async"] = [x.item() for x in tl]
+    out.update(_two_threads_issue_a_collective_at_once(world, group, rank))
 
     # a subgroup {0, 2}: every rank enters creation; irecv(src=k) works there; rank 1 is not a member
     sub = world.create_collective_group([0, 2], timeout=20)
@@ -125,12 +129,55 @@ def _collective_checks(rank: int) -> dict[str, Any]:
     return out
 
 
+def _two_threads_issue_a_collective_at_once(
+    world: pd.World, group: pd.CollectiveGroup, rank: int
+) -> dict[str, Any]:
+    """Rank 0: two threads all_reduce at once; the others join only after one of them was refused.
+
+    Whichever thread enters first waits inside its all_reduce for the peers, which wait for "go"; the other
+    must be refused at once (it would otherwise issue a second collective in an order the peers cannot match).
+    """
+    if rank != 0:
+        world.store.wait(["overlap/go"], timedelta(seconds=20))
+        group.all_reduce(torch.ones(1))
+        return {}
+    outcomes: queue.Queue[tuple[str, str]] = queue.Queue()
+
+    def issue() -> None:
+        t = torch.ones(1)
+        try:
+            group.all_reduce(t)
+        except RuntimeError as exc:
+            outcomes.put(("refused", str(exc)))
+        else:
+            outcomes.put(("sum", str(t.item())))
+
+    threads = [threading.Thread(target=issue, name=f"issuer-{tag}") for tag in "AB"]
+    for thread in threads:
+        thread.start()
+    first = outcomes.get(timeout=20)  # the refusal: the peers have not joined, so nothing else can end first
+    world.store.set("overlap/go", b"1")
+    second = outcomes.get(timeout=20)
+    for thread in threads:
+        thread.join(20)
+    return {"overlap": [first, second]}
+
+
 @pytest.fixture(scope="module")
 def observed() -> list[dict[str, Any]]:
     # dist_timeout bounds the rendezvous: 60 s, since a 30 s rendezvous once ran out under load average 10
     return pd.run_world(
         _collective_checks, 3, timeout=150, init_rpc=False, dist_timeout=60, start_method=fork_unless_cuda()
     )
+
+
+def test_a_second_thread_issuing_a_collective_meanwhile_is_refused(observed: list[dict[str, Any]]) -> None:
+    (kind, message), second = observed[0]["overlap"]
+    assert kind == "refused"
+    assert "one thread at a time" in message
+    assert "collective group [0, 1, 2]" in message
+    assert "issuer-" in message  # names the threads
+    assert second == ("sum", "3.0")  # the thread that entered first completed with the peers
 
 
 def test_world_info(observed: list[dict[str, Any]]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._work import ChainedWork
 
 __all__ = ["MultiGpuOps"]
@@ -21,6 +22,8 @@ ReduceOp = dist.ReduceOp
 
 class MultiGpuOps:
     """The ``*_multigpu`` methods; the group supplies :meth:`_pg`, :meth:`_check_rank` and :meth:`size`."""
+
+    _one_thread: OneThreadAtATime  # the group's guard: its collectives are issued by one thread at a time
 
     def _pg(self) -> Any:
         raise NotImplementedError
@@ -53,7 +56,8 @@ class MultiGpuOps:
             for t in tensor_list[1:]:
                 t.copy_(head)
 
-        work = dist.all_reduce(head, op=local_op, group=pg, async_op=async_op)
+        with self._one_thread("all_reduce_multigpu"):
+            work = dist.all_reduce(head, op=local_op, group=pg, async_op=async_op)
         return _complete(work, finish, async_op)
 
     def broadcast_multigpu(
@@ -71,7 +75,9 @@ class MultiGpuOps:
                 if t is not head:
                     t.copy_(head)
 
-        return _complete(dist.broadcast(head, src, group=pg, async_op=async_op), finish, async_op)
+        with self._one_thread("broadcast_multigpu"):
+            work = dist.broadcast(head, src, group=pg, async_op=async_op)
+        return _complete(work, finish, async_op)
 
     def reduce_multigpu(
         self,
@@ -95,7 +101,9 @@ class MultiGpuOps:
             if average and dist.get_rank() == dst:
                 head.div_(self.size() * len(tensor_list))
 
-        return _complete(dist.reduce(head, dst, op=local_op, group=pg, async_op=async_op), finish, async_op)
+        with self._one_thread("reduce_multigpu"):
+            work = dist.reduce(head, dst, op=local_op, group=pg, async_op=async_op)
+        return _complete(work, finish, async_op)
 
     def all_gather_multigpu(
         self,
@@ -126,7 +134,9 @@ class MultiGpuOps:
                     for j in range(n):
                         out[k * n + j].copy_(gathered[k][j])
 
-        return _complete(dist.all_gather(gathered, stacked, group=pg, async_op=async_op), finish, async_op)
+        with self._one_thread("all_gather_multigpu"):
+            work = dist.all_gather(gathered, stacked, group=pg, async_op=async_op)
+        return _complete(work, finish, async_op)
 
 
 def _check_list(label: str, tensors: object) -> None:

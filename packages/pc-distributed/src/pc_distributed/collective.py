@@ -16,6 +16,7 @@ import torch.distributed as dist
 from pc_distributed import _torch_dist
 from pc_distributed._host import GroupHost
 from pc_distributed._multigpu import MultiGpuOps
+from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._store import wait_keys
 from pc_distributed._work import RecvHandle
 
@@ -45,6 +46,7 @@ class CollectiveGroup(MultiGpuOps):
         self.ranks = list(ranks)
         self.timeout = timeout
         self.destroyed = False
+        self._one_thread = OneThreadAtATime(f"collective group {self.ranks}")
 
     # -- helpers ---
     def _pg(self) -> Any:
@@ -114,21 +116,27 @@ class CollectiveGroup(MultiGpuOps):
     # -- collectives ---
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Any:
         """Broadcast ``tensor`` from global rank ``src`` to every member."""
-        return dist.broadcast(tensor, self._check_rank("src", src), group=self._pg(), async_op=async_op)
+        with self._one_thread("broadcast"):
+            return dist.broadcast(tensor, self._check_rank("src", src), group=self._pg(), async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
         """Reduce ``tensor`` in place across all members; every member gets the result."""
-        return dist.all_reduce(tensor, op=op, group=self._pg(), async_op=async_op)
+        with self._one_thread("all_reduce"):
+            return dist.all_reduce(tensor, op=op, group=self._pg(), async_op=async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
         """Reduce ``tensor`` onto global rank ``dst``."""
-        return dist.reduce(tensor, self._check_rank("dst", dst), op=op, group=self._pg(), async_op=async_op)
+        with self._one_thread("reduce"):
+            return dist.reduce(
+                tensor, self._check_rank("dst", dst), op=op, group=self._pg(), async_op=async_op
+            )
 
     def all_gather(
         self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, async_op: bool = False
     ) -> Any:
         """Gather ``tensor`` from every member into ``tensor_list`` (ordered by group rank)."""
-        return dist.all_gather(tensor_list, tensor, group=self._pg(), async_op=async_op)
+        with self._one_thread("all_gather"):
+            return dist.all_gather(tensor_list, tensor, group=self._pg(), async_op=async_op)
 
     def gather(
         self,
@@ -138,9 +146,10 @@ class CollectiveGroup(MultiGpuOps):
         async_op: bool = False,
     ) -> Any:
         """Gather ``tensor`` from every member into ``gather_list`` on global rank ``dst``."""
-        return dist.gather(
-            tensor, gather_list, dst=self._check_rank("dst", dst), group=self._pg(), async_op=async_op
-        )
+        with self._one_thread("gather"):
+            return dist.gather(
+                tensor, gather_list, dst=self._check_rank("dst", dst), group=self._pg(), async_op=async_op
+            )
 
     def scatter(
         self,
@@ -150,13 +159,15 @@ class CollectiveGroup(MultiGpuOps):
         async_op: bool = False,
     ) -> Any:
         """Scatter ``scatter_list`` from global rank ``src``: member i receives ``scatter_list[i]``."""
-        return dist.scatter(
-            tensor, scatter_list, src=self._check_rank("src", src), group=self._pg(), async_op=async_op
-        )
+        with self._one_thread("scatter"):
+            return dist.scatter(
+                tensor, scatter_list, src=self._check_rank("src", src), group=self._pg(), async_op=async_op
+            )
 
     def barrier(self, async_op: bool = False) -> Any:
         """Synchronise all members."""
-        return dist.barrier(group=self._pg(), async_op=async_op)
+        with self._one_thread("barrier"):
+            return dist.barrier(group=self._pg(), async_op=async_op)
 
     def __reduce__(self) -> NoReturn:
         raise TypeError("CollectiveGroup wraps a process group of this process and cannot be pickled")

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._transport import check_timeout
 from pc_distributed.daso_exchange import Exchange, complete_exchange, flatten, staleness_merge, start_exchange
 from pc_distributed.daso_schedule import PlateauDetector, SkipState, next_skips, phase_of
@@ -167,6 +168,7 @@ class DASO:
         self.topology: DasoTopology = build_topology(size, self.device, self.timeout)
         #: Index of the final batch of an epoch (``len(loader) - 1``); must be set before :meth:`step`.
         self.last_batch: int | None = None
+        self._one_thread = OneThreadAtATime("DASO")
         self.module: nn.Module | None = None
         self._tensors: list[torch.Tensor] = []
         self._scaler: Any = None
@@ -256,22 +258,24 @@ class DASO:
 
         Raises:
             ValueError: If :attr:`last_batch` is not set.
-            RuntimeError: If no model is attached (build :class:`~pc_distributed.DataParallelMultiGPU` first).
+            RuntimeError: If no model is attached (build :class:`~pc_distributed.DataParallelMultiGPU` first),
+                or another thread of this process is inside ``step`` (one training thread per DASO).
         """
-        if self.last_batch is None or self.last_batch < 0:
-            raise ValueError(
-                f"set DASO.last_batch to the index of the epoch's final batch, got {self.last_batch!r}"
-            )
-        if self.module is None:
-            raise RuntimeError("DASO has no model: wrap it with DataParallelMultiGPU(module, daso) first")
-        if self._scaler is not None:
-            self._scaler.step(self.local_optimizer)
-            self._scaler.update()
-        elif self.scheduler is not None:
-            self.scheduler.step()
-        else:
-            self.local_optimizer.step()
-        self._sync_after_step()
+        with self._one_thread("step"):  # the global synchronisation is a collective
+            if self.last_batch is None or self.last_batch < 0:
+                raise ValueError(
+                    f"set DASO.last_batch to the index of the epoch's final batch, got {self.last_batch!r}"
+                )
+            if self.module is None:
+                raise RuntimeError("DASO has no model: wrap it with DataParallelMultiGPU(module, daso) first")
+            if self._scaler is not None:
+                self._scaler.step(self.local_optimizer)
+                self._scaler.update()
+            elif self.scheduler is not None:
+                self.scheduler.step()
+            else:
+                self.local_optimizer.step()
+            self._sync_after_step()
 
     @torch.no_grad()
     def _sync_after_step(self) -> None:

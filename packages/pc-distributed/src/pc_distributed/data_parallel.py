@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._transport import check_timeout
 from pc_distributed.dp_buckets import GradReducer, make_buckets
 from pc_distributed.dp_comm import CommLike, broadcast_tensors, check_replicas, resolve_group, to_timedelta
@@ -176,6 +177,7 @@ class DataParallel(nn.Module):
         self.blocking_parameter_updates = blocking
         self.broadcast_buffers = broadcast_buffers
         self._group = group
+        self._one_thread = OneThreadAtATime("DataParallel")
         self._optimizers = optimizers
         self._sync = True
         self._module_buckets: dict[int, list[int]] = {}
@@ -312,18 +314,23 @@ class DataParallel(nn.Module):
 
         Returns:
             The wrapped module's output.
+
+        Raises:
+            RuntimeError: Another thread of this process is inside this wrapper's ``forward`` (one training
+                thread per wrapper: the collectives must be issued in the same order on every rank).
         """
-        if self.blocking_parameter_updates:
-            if self._reducer.open:
-                self._finish_blocking_round()
-        else:
-            self._reducer.launch_all()
-        if self.training and self.broadcast_buffers:
-            broadcast_tensors(list(self.module.buffers()), self._group)
-        out = self.module(*inputs, **kwargs)
-        if not self.blocking_parameter_updates:
-            self._apply_all()
-        return out
+        with self._one_thread("forward"):  # its collectives must be issued in the same order on every rank
+            if self.blocking_parameter_updates:
+                if self._reducer.open:
+                    self._finish_blocking_round()
+            else:
+                self._reducer.launch_all()
+            if self.training and self.broadcast_buffers:
+                broadcast_tensors(list(self.module.buffers()), self._group)
+            out = self.module(*inputs, **kwargs)
+            if not self.blocking_parameter_updates:
+                self._apply_all()
+            return out
 
     def flush(self) -> None:
         """Finish every reduction in flight and apply what is pending (a due non-blocking step included).

@@ -13,7 +13,6 @@ Timeouts follow the package's convention (``_transport``): ``None`` (or the seed
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch.distributed.rpc as rpc
 
 from pc_distributed import _remote
 from pc_distributed._host import GroupHost, current_world
+from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._remote import SERVICE, VALUE, unwrap
 from pc_distributed._rpc_calls import call_owner, call_owner_sync, invoke
 from pc_distributed._rpc_directory import Directory
@@ -68,7 +68,7 @@ class RpcGroup:
         self._host = world
         self._instance = instance
         self._barrier_gen = 0
-        self._barrier_lock = threading.Lock()
+        self._barrier_one_thread = OneThreadAtATime(f"RPC group {group_name!r}")
         self._directory: Directory | None = None
         self._tables = _remote.install_tables(group_name) if first_create else None
 
@@ -325,7 +325,7 @@ class RpcGroup:
 
     # -- membership ---
     def barrier(self, timeout: float | None = None) -> None:
-        """Block until every member entered this barrier (repeatable, no lost wake-ups; one thread at a time).
+        """Block until every member entered this barrier (repeatable, no lost wake-ups).
 
         The wait runs on a store connection of its own, so the process's other threads keep calling,
         looking up and registering meanwhile.
@@ -335,15 +335,17 @@ class RpcGroup:
 
         Raises:
             TimeoutError: Naming the members that did not arrive.
+            RuntimeError: Another thread of this process is inside this group's ``barrier`` (one thread at
+                a time: each call is this member's next barrier of the group).
         """
         self._local("barrier")
         world = self._world()
         limit = self._seconds(timeout)
-        with self._barrier_lock:
+        with self._barrier_one_thread("barrier"):  # generations must match the peers' barriers one by one
             gen = self._barrier_gen
             self._barrier_gen += 1
-        prefix = f"rg/{self.group_name}/{self._instance}/bar"
-        store_barrier(world.store, world.waits, prefix, gen, world.name, self.group_members, limit)
+            prefix = f"rg/{self.group_name}/{self._instance}/bar"
+            store_barrier(world.store, world.waits, prefix, gen, world.name, self.group_members, limit)
 
     def destroy(self) -> None:
         """Leave the group: remove this process's directory entries and local tables (idempotent)."""

@@ -26,6 +26,7 @@ from pc_distributed._bounded import BoundedStore
 from pc_distributed._env import check_name, resolve_world_spec
 from pc_distributed._host import clear_world, current_world, install_world
 from pc_distributed._interfaces import InterfaceEnv, check_interface
+from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._rendezvous import Connection, connect, publish_name
 from pc_distributed._stop import STOP_STORE_MARGIN, leave_store
 from pc_distributed._store_waits import WaitStores
@@ -118,6 +119,7 @@ class World:
         self._collective_groups: list[CollectiveGroup] = []
         self._lock = threading.RLock()
         self._cg_seq = 0
+        self._cg_one_thread = OneThreadAtATime(f"World {name!r}")
         self._stopped = False
         self._conn: Connection | None = None
         self._names: list[str] = []
@@ -284,14 +286,16 @@ class World:
             The :class:`~pc_distributed.CollectiveGroup`.
 
         Raises:
-            RuntimeError: If the world was created with ``init_dist=False`` or stopped.
+            RuntimeError: If the world was created with ``init_dist=False`` or stopped, or another thread of
+                this process is creating a collective group (one thread at a time: groups are numbered).
             ValueError: If ``ranks`` is invalid or the ranks disagree on it.
             TimeoutError: Naming the ranks that did not enter within ``timeout``.
         """
         self._check_alive()
         if not self.init_dist:
             raise RuntimeError("create_collective_group needs a World created with init_dist=True")
-        return create_collective_group(self, ranks, positive_seconds("timeout", timeout), backend)
+        with self._cg_one_thread("create_collective_group"):  # groups are numbered in creation order
+            return create_collective_group(self, ranks, positive_seconds("timeout", timeout), backend)
 
     def create_rpc_group(
         self, group_name: str, members: Sequence[str], *, timeout: float | None = None
