@@ -26,7 +26,7 @@ from pc_sync._autograd import _Handoff, local_stats, normalize
 from pc_sync.comm import SlavePipe, SyncMaster, check_timeout
 from pc_sync.errors import DEFAULT_SYNC_TIMEOUT
 
-__all__ = ["SynchronizedBatchNorm1d", "SynchronizedBatchNorm2d", "SynchronizedBatchNorm3d"]
+__all__ = ["SynchronizedBatchNorm1d", "SynchronizedBatchNorm2d", "SynchronizedBatchNorm3d", "take_over_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -323,3 +323,22 @@ class SynchronizedBatchNorm3d(_SyncBNMixin, nn.BatchNorm3d):
 
     Input: ``(N, C, D, H, W)``. The arguments are those of :class:`SynchronizedBatchNorm2d`.
     """
+
+
+def take_over_state(new: nn.Module, old: nn.Module, what: str) -> None:
+    """Give ``new`` (built on the meta device) ``old``'s own parameters, buffers, mode and ``qconfig``.
+
+    The tensors are the same objects, not copies, so an optimizer built before a conversion keeps updating
+    the converted model. ``what`` names the converter in the error raised when a tensor is left on the meta
+    device (the torch class grew state this function does not hand over).
+    """
+    for name, param in old.named_parameters(recurse=False):
+        setattr(new, name, param)
+    for name, buf in old.named_buffers(recurse=False):
+        setattr(new, name, buf)
+    new.train(old.training)
+    if hasattr(old, "qconfig"):
+        new.qconfig = old.qconfig
+    leftover = [n for n, t in [*new.named_parameters(), *new.named_buffers()] if t.device.type == "meta"]
+    if leftover:
+        raise RuntimeError(f"{what} could not transfer {leftover} to {type(new).__name__}")

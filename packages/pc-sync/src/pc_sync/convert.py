@@ -8,7 +8,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from pc_sync.batchnorm import SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
+from pc_sync.batchnorm import (
+    SynchronizedBatchNorm1d,
+    SynchronizedBatchNorm2d,
+    SynchronizedBatchNorm3d,
+    take_over_state,
+)
 
 __all__ = ["convert_model"]
 
@@ -84,24 +89,8 @@ def _convert_bn(bn: nn.Module, sync_cls: type[nn.Module]) -> nn.Module:
         device="meta",
         bias=cast("torch.Tensor | None", bn.bias) is not None or not bn.affine,
     )
-    for name, param in bn.named_parameters(recurse=False):
-        setattr(new, name, param)
-    for name, buf in bn.named_buffers(recurse=False):
-        setattr(new, name, buf)
-    new.train(bn.training)
-    if hasattr(bn, "qconfig"):
-        new.qconfig = bn.qconfig
-    _check_no_meta(new)
+    take_over_state(new, bn, "convert_model")
     return new
-
-
-def _check_no_meta(module: nn.Module) -> None:
-    # A tensor left on meta would mean the torch class grew state this function does not hand over.
-    leftover = [
-        n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.device.type == "meta"
-    ]
-    if leftover:
-        raise RuntimeError(f"convert_model could not transfer {leftover} to {type(module).__name__}")
 
 
 def _convert_data_parallel(dp: nn.DataParallel[Any]) -> nn.Module:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pc_sync._process_stats import group_size, reduce_across_processes
-from pc_sync.batchnorm import _local_stats, _SyncBNMixin
+from pc_sync.batchnorm import _local_stats, _SyncBNMixin, take_over_state
 from pc_sync.errors import DEFAULT_SYNC_TIMEOUT
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
@@ -230,14 +230,5 @@ def _convert_one(bn: _BatchNormBase, process_group: Any) -> SyncBatchNorm:
         bias=cast("torch.Tensor | None", bn.bias) is not None or not bn.affine,
         sync_timeout=getattr(bn, "sync_timeout", DEFAULT_SYNC_TIMEOUT),
     )
-    for name, param in bn.named_parameters(recurse=False):
-        setattr(new, name, param)
-    for name, buf in bn.named_buffers(recurse=False):
-        setattr(new, name, buf)
-    new.train(bn.training)
-    if hasattr(bn, "qconfig"):
-        new.qconfig = bn.qconfig
-    leftover = [n for n, t in [*new.named_parameters(), *new.named_buffers()] if t.device.type == "meta"]
-    if leftover:
-        raise RuntimeError(f"convert_sync_batchnorm could not transfer {leftover} from {type(bn).__name__}")
+    take_over_state(new, bn, "convert_sync_batchnorm")
     return new
