@@ -156,7 +156,12 @@ def before_world(rank: int, ckpt_dir: str) -> None:
     if rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)  # the primary dies (as a crash would)
     if rank == 2:
-        for what, call in (("pull", lambda: gs.pull(torch.nn.Linear(1, 1))), ("ledger", gs.ledger)):
+        from server_models import ThreeLayer
+
+        # a model of the served architecture: a pull before the kill lands loads it (any model whose version
+        # differs from the server's is loaded), and only the dead primary may end the loop
+        local = ThreeLayer()
+        for what, call in (("pull", lambda: gs.pull(local)), ("ledger", gs.ledger)):
             outcome = ["no error", ""]
             deadline = time.monotonic() + WAIT_S
             while time.monotonic() < deadline:  # until the kill has landed; every call is bounded
