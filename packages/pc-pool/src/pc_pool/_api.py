@@ -1,10 +1,10 @@
 """The caller-facing methods shared by process and thread pools (apply, map, imap, starmap and async forms).
 
 Subclasses provide ``_check_running()`` (raise ``ValueError("Pool not running")``), ``_submit(func, mode,
-chunks, result)`` (queue the chunks of one job), ``_processes`` and ``_cache``. Chunking follows the stdlib
-and machin: ``map`` uses ``chunksize = ceil(len / (4 * processes))``; ``imap``/``imap_unordered`` with
-``chunksize > 1`` return a list (as machin did). ``map`` and ``starmap`` read the whole iterable in the caller
-first, as the stdlib does (so an iterable that raises raises from the call itself); ``imap`` and
+chunks, result)`` (queue the chunks of one job), ``_processes`` and ``_cache``. ``map`` chunks like the stdlib
+(``chunksize = ceil(len / (4 * processes))``); ``imap``/``imap_unordered`` with ``chunksize > 1`` return a
+list (the compatible behaviour, see docs/pool.md). ``map`` and ``starmap`` read the whole iterable in the
+caller first, as the stdlib does (so an iterable that raises raises from the call itself); ``imap`` and
 ``imap_unordered`` with ``chunksize=1`` over anything but a list, tuple or range read it lazily in an input
 thread with bounded read-ahead (:mod:`pc_pool._input`) through the subclass hooks ``_open_job``,
 ``_add_chunk`` and ``_end_job``.
