@@ -3,6 +3,7 @@ events, ordinary buffers), and the real CUDA path (``gpu``)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import subprocess
@@ -79,6 +80,76 @@ def test_staged_chunks_are_written_into_the_final_payload(
     assert start <= at
     assert at + size <= start + len(data)
     assert torch.equal(pc_pickle.loads(data), tensor)
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_staged_loads_reads_the_payload_in_place(
+    kind: Callable[[bytes], object], cpu_staging: BufferPool[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged storage is copied to the device from a view of the payload itself, not from a host copy."""
+    sources: list[memoryview] = []
+    stage = _tensors.stage_to_device
+
+    def spy(source: memoryview, device: torch.device) -> torch.UntypedStorage:
+        sources.append(source)
+        return stage(source, device)
+
+    monkeypatch.setattr(_tensors, "stage_to_device", spy)
+    tensor = torch.randn(1 << 20)
+    other = torch.arange(300_001, dtype=torch.float64)
+    payload = kind(pc_pickle.dumps({"t": tensor, "view": tensor[3:], "other": other}))
+    owner = payload.obj if isinstance(payload, memoryview) else payload
+    out = pc_pickle.loads(payload)  # type: ignore[arg-type]
+    assert [len(s) for s in sources] == [tensor.nbytes, other.nbytes]
+    assert all(isinstance(s, memoryview) and s.obj is owner for s in sources)  # views of the payload
+    assert all(s.readonly == isinstance(owner, bytes) for s in sources)
+    assert torch.equal(torch.frombuffer(bytearray(sources[0]), dtype=torch.float32), tensor)
+    assert torch.equal(out["t"], tensor)
+    assert torch.equal(out["view"], tensor[3:])
+    assert out["view"].untyped_storage().data_ptr() == out["t"].untyped_storage().data_ptr()
+    assert torch.equal(out["other"], other)
+    assert cpu_staging.free_slots * 2 * cpu_staging.chunk_bytes == cpu_staging.allocated_bytes
+
+
+@pytest.mark.parametrize("writable", [True, False], ids=["writable", "read-only"])
+@pytest.mark.parametrize("busy", [False, True], ids=["staged", "pool-busy"])
+def test_stage_to_device_copies_a_view_exactly(
+    writable: bool, busy: bool, cpu_staging: BufferPool[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both source kinds (torch's copy, memoryview copy) and the unstaged fallback give the same bytes."""
+    monkeypatch.setattr(_tensors, "LEASE_TIMEOUT_S", 0.01)
+    raw = torch.randint(0, 256, (5 * cpu_staging.chunk_bytes + 77,), dtype=torch.uint8)
+    data = bytes(_tensors._bytes_of(raw))
+    source = memoryview(bytearray(data) if writable else data)[5:]
+    with contextlib.ExitStack() as held:
+        for _ in range(2 if busy else 1):  # the pool has 2 slots: leave one free, or none
+            assert held.enter_context(cpu_staging.lease(1.0)) is not None
+        made = cpu_staging.allocated_bytes
+        out = _tensors.stage_to_device(source, torch.device("cpu"))
+        assert cpu_staging.allocated_bytes == (made if busy else cpu_staging.bound_bytes)
+    assert bytes(_tensors._bytes_of(torch.empty(0, dtype=torch.uint8).set_(out))) == data[5:]
+
+
+def test_a_region_no_storage_takes_is_refused(
+    cpu_staging: BufferPool[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lent region left unfilled would be a storage of wrong bytes: the load fails loudly instead."""
+    payload = pc_pickle.dumps(torch.randn(1 << 20))
+    monkeypatch.setattr(_tensors.LentRegions, "take", lambda self, data: None)
+    with pytest.raises(pc_pickle.PayloadError, match="outside the storage table"):
+        pc_pickle.loads(payload)
+
+
+def test_loaded_storages_do_not_alias_the_payload(cpu_staging: BufferPool[torch.Tensor]) -> None:
+    """Read in place, yet copied: changing the payload after loads changes no tensor (staged or not)."""
+    staged, plain = torch.randn(1 << 20), torch.randn(50_000)  # 4 MiB staged, 200 kB a raw region unstaged
+    payload = bytearray(pc_pickle.dumps([staged, plain]))
+    out = pc_pickle.loads(payload)
+    payload[:] = bytes(len(payload))
+    assert torch.equal(out[0], staged)
+    assert torch.equal(out[1], plain)
+    out[1].add_(1)  # a CPU storage is writable and its own
+    assert torch.equal(out[1], plain + 1)
 
 
 def test_staged_pickler_writes_to_a_file(cpu_staging: BufferPool[torch.Tensor]) -> None:
@@ -195,6 +266,28 @@ def _to_cuda_view(host: torch.Tensor) -> torch.Tensor:
     return torch.empty((0,), dtype=host.dtype, device="cuda").set_(
         storage, host.storage_offset(), host.shape, host.stride()
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [bytes, bytearray])
+def test_cuda_loads_stages_from_the_payload_in_place(
+    kind: Callable[[bytes], object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sources: list[memoryview] = []
+    stage = _tensors.stage_to_device
+
+    def spy(source: memoryview, device: torch.device) -> torch.UntypedStorage:
+        sources.append(source)
+        return stage(source, device)
+
+    monkeypatch.setattr(_tensors, "stage_to_device", spy)
+    tensor = torch.randn(20_000_003, device="cuda")  # several 16 MB chunks, a short last one
+    payload = kind(pc_pickle.dumps(tensor))
+    out = pc_pickle.loads(payload)  # type: ignore[arg-type]
+    assert len(sources) == 1
+    assert sources[0].obj is payload
+    assert out.device == tensor.device
+    assert torch.equal(out, tensor)
 
 
 @pytest.mark.gpu

@@ -39,14 +39,17 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
+from pc_pickle._bigbuf import advise
 from pc_pickle._errors import PayloadError, SharedHandleError, UnpicklableObjectError
 from pc_pickle._staging import BufferPool, Deferred, Waitable, copy_in, copy_out
 
 __all__ = [
     "SHARE_REDUCERS",
+    "LentRegions",
     "StorageTable",
     "current_storages",
     "installed_storages",
+    "lent_regions",
     "materialize_entry",
     "rebuild_cuda_event",
     "reduce_cuda_event",
@@ -182,28 +185,45 @@ def stage_to_host(source: torch.Tensor, dest: memoryview) -> None:
         copy_out(source.numel(), pool.chunk_bytes, buffers, start, drain)
 
 
-def stage_to_device(host: torch.Tensor, device: torch.device) -> torch.UntypedStorage:
-    """Copy a 1-D uint8 host tensor to a new storage on ``device`` through pinned chunks, asynchronously.
+def _bytes_of(buffer: torch.Tensor) -> memoryview:
+    """A writable byte memoryview over a contiguous uint8 CPU tensor's memory (a pinned staging buffer)."""
+    return memoryview((ctypes.c_char * buffer.numel()).from_address(buffer.data_ptr())).cast("B")
+
+
+def stage_to_device(source: memoryview, device: torch.device) -> torch.UntypedStorage:
+    """Copy host bytes to a new storage on ``device`` through pinned chunks, asynchronously.
+
+    The bytes are read where they are (a region of the payload being loaded, read-only when the payload is
+    ``bytes``): each chunk is copied once, from ``source`` into a pinned buffer, and sent from there to the
+    device, so no full-size host copy is made. A writable source is read by torch's (multi-threaded) copy; a
+    read-only one by a memoryview copy, because torch cannot wrap a read-only buffer without a warning.
 
     Args:
-        host: The bytes (pageable host memory).
+        source: The bytes, a flat byte-format memoryview; it must stay unchanged until this returns.
         device: Where the storage goes.
 
     Returns:
         The new storage; every copy into it has finished.
     """
-    out = torch.empty((host.numel(),), dtype=torch.uint8, device=device)
+    nbytes = len(source)
+    out = torch.empty((nbytes,), dtype=torch.uint8, device=device)
+    host = None if source.readonly else torch.frombuffer(source, dtype=torch.uint8)
     with _leased(device) as (pool, buffers):
         if buffers is None:
-            out.copy_(host)
+            # Unstaged (pool busy, pinned memory refused): one plain copy; a read-only source is copied once
+            # more into a writable buffer first, on this rare path only.
+            out.copy_(host if host is not None else torch.frombuffer(bytearray(source), dtype=torch.uint8))
             return out.untyped_storage()
 
         def start(at: int, n: int, buffer: torch.Tensor) -> Waitable:
-            buffer[:n].copy_(host[at : at + n])
+            if host is not None:
+                buffer[:n].copy_(host[at : at + n])
+            else:
+                _bytes_of(buffer)[:n] = source[at : at + n]
             out[at : at + n].copy_(buffer[:n], non_blocking=True)
             return _record_event()
 
-        copy_in(host.numel(), pool.chunk_bytes, buffers, start)
+        copy_in(nbytes, pool.chunk_bytes, buffers, start)
     return out.untyped_storage()
 
 
@@ -419,6 +439,69 @@ def _check_device(device: str) -> torch.device:
     return dev
 
 
+def _address(buffer: Any) -> int:
+    """Where a writable buffer's bytes start."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+class LentRegions:
+    """Raw storage regions of the payload being loaded, left in place until their table entry is built.
+
+    The C unpickler reads a region (``BYTEARRAY8``) by allocating a ``bytearray`` of its size and asking the
+    reader to ``readinto`` it. The loader's reader instead leaves the bytearray untouched (its pages are
+    never faulted in) and lends the payload's own bytes, keyed by the bytearray's address; when the table
+    entry holding that bytearray is materialized, :meth:`take` hands the payload view back. A staged storage
+    is then copied from the payload view straight into pinned chunks (no full-size host copy); a CPU storage
+    is copied into the bytearray, the one copy it always took. One instance per load, used by one thread.
+    """
+
+    __slots__ = ("_lent",)
+
+    def __init__(self) -> None:
+        self._lent: dict[int, memoryview] = {}
+
+    def __len__(self) -> int:
+        return len(self._lent)
+
+    def lend(self, target: memoryview, source: memoryview) -> None:
+        """Record that ``target`` (the unpickler's fresh buffer, left unfilled) holds the bytes ``source``."""
+        self._lent[_address(target)] = source
+
+    def take(self, data: object) -> memoryview | None:
+        """The payload bytes lent for ``data`` (removed from the record), or None when it was filled as usual.
+
+        Raises:
+            PayloadError: If the lent bytes do not match ``data``'s size (never for a verified payload).
+        """
+        if not self._lent or not isinstance(data, bytearray) or not data:
+            return None
+        source = self._lent.pop(_address(data), None)
+        if source is not None and len(source) != len(data):
+            raise PayloadError(
+                f"corrupt pc_pickle payload: a raw region of {len(source)} bytes was read for a storage of "
+                f"{len(data)} bytes"
+            )
+        return source
+
+
+@contextlib.contextmanager
+def lent_regions() -> Iterator[LentRegions]:
+    """Install a fresh :class:`LentRegions` as this thread's while a payload is unpickled (nests)."""
+    previous = getattr(_local, "regions", None)
+    regions = _local.regions = LentRegions()
+    try:
+        yield regions
+    finally:
+        _local.regions = previous
+
+
+def _fill_region(data: bytearray, source: memoryview) -> None:
+    """Copy a lent region into the fresh bytearray it belongs to, in huge pages when large (see _bigbuf)."""
+    target = memoryview(data)
+    advise(_address(data), len(target))
+    target[:] = source
+
+
 def materialize_entry(entry: tuple[Any, ...]) -> torch.UntypedStorage:
     """Turn one table entry back into a storage.
 
@@ -438,11 +521,17 @@ def materialize_entry(entry: tuple[Any, ...]) -> torch.UntypedStorage:
         dev = _check_device(device)
         if len(data) == 0:
             return torch.UntypedStorage(0, device=dev)  # type: ignore[no-untyped-call]
+        regions: LentRegions | None = getattr(_local, "regions", None)
+        source = None if regions is None else regions.take(data)
+        if source is not None:
+            if _stages(dev, len(source)):
+                return stage_to_device(source, dev)  # from the payload in place; data stays untouched
+            _fill_region(data, source)
         if not isinstance(data, bytearray):  # read-only buffers would make frombuffer warn
             data = bytearray(data)
+        if _stages(dev, len(data)):
+            return stage_to_device(memoryview(data), dev)
         host = torch.frombuffer(data, dtype=torch.uint8)
-        if _stages(dev, host.numel()):
-            return stage_to_device(host, dev)
         return (host if dev.type == "cpu" else host.to(dev)).untyped_storage()
     if tag in (_SHARE, _SHARE_CUDA):
         if tag == _SHARE_CUDA:
