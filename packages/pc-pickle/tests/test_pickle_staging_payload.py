@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import os
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,6 +130,47 @@ def test_stage_to_device_copies_a_view_exactly(
         out = _tensors.stage_to_device(source, torch.device("cpu"))
         assert cpu_staging.allocated_bytes == (made if busy else cpu_staging.bound_bytes)
     assert bytes(_tensors._bytes_of(torch.empty(0, dtype=torch.uint8).set_(out))) == data[5:]
+
+
+_PEAK_PROBE = """
+import torch, pc_pickle
+from pc_pickle import _tensors
+from pc_pickle._staging import BufferPool
+from pickle_staging_testutils import CountingAllocator, DoneEvent
+
+_tensors.STAGED_DEVICE_TYPES = ("cpu",)
+_tensors._record_event = DoneEvent
+_tensors._pool = BufferPool(CountingAllocator(), chunk_bytes=1 << 20, depth=2, slots=1)
+size = 64 << 20
+payload = pc_pickle.dumps(torch.ones(size // 4))
+
+def kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak (VmHWM) to the current resident size
+before = kib("VmRSS")
+out = pc_pickle.loads(payload)
+grew = (kib("VmHWM") - before) * 1024 / size
+assert torch.equal(out, torch.ones(size // 4))
+print(grew)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_staged_loads_peak_host_memory_is_the_storage_not_twice() -> None:
+    """Loading a staged 64 MiB storage (the "device" is the CPU here, so its copy is host memory too) raises
+    the peak resident size by about the storage, not by the storage plus a full-size copy of its bytes."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    if done.returncode != 0 and "clear_refs" in done.stderr:
+        pytest.skip(f"cannot reset the peak resident size: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr
+    grew = float(done.stdout)
+    assert 0.9 < grew < 1.5  # the storage (1x) and the pool (2 MiB); the old full-size copy made it 2x
 
 
 def test_a_region_no_storage_takes_is_refused(
