@@ -18,9 +18,9 @@ unpickled with that list installed as the thread's current table, which ``_rebui
 Copies of large CUDA storages are staged through a bounded pool of pinned host buffers
 (:mod:`pc_pickle._staging`): on dump, chunks are copied device->host asynchronously and drained straight into
 the final payload (the table entry holds a :class:`~pc_pickle._staging.Deferred` placeholder until the join);
-on load, chunks are copied into pinned buffers and sent to the device asynchronously (a buffer is refilled
-once its last copy is done), and the copies are waited for once at the end. The payload bytes are the same
-as an unstaged copy's.
+on load, the storage's bytes are read in place from the payload (:class:`LentRegions`), copied chunk by chunk
+into pinned buffers and sent to the device asynchronously (a buffer is refilled once its last copy is done),
+and the copies are waited for once at the end. The payload bytes are the same as an unstaged copy's.
 
 Non-goals: sparse, quantized, nested and meta tensors, tensors with the conjugate or negative bit set, tensor
 subclasses other than ``nn.Parameter`` and legacy typed storages in copy mode are left to torch's own
