@@ -110,7 +110,7 @@ def join(pieces: Sequence[Any]) -> bytes:
     dest = memoryview((ctypes.c_char * total).from_address(address)).cast("B")
     at = 0
     for view, placeholder in zip(views, placeholders, strict=True):
-        if placeholder is not None and not placeholder.filled:
+        if placeholder is not None:
             placeholder.fill(dest[at : at + view.nbytes])
         else:
             dest[at : at + view.nbytes] = view

@@ -55,6 +55,7 @@ __all__ = [
     "reduce_cuda_event",
     "stage_to_device",
     "stage_to_host",
+    "stage_to_writer",
     "staging_pool",
 ]
 
@@ -162,6 +163,28 @@ def _leased(device: torch.device) -> Iterator[tuple[BufferPool[torch.Tensor], li
         yield pool, buffers
 
 
+def _stage_out(
+    source: torch.Tensor,
+    drain: Callable[[int, int, torch.Tensor], None],
+    unstaged: Callable[[], object],
+) -> None:
+    """Copy a 1-D uint8 device tensor out through pinned chunks, double-buffered (see :func:`copy_out`).
+
+    ``drain(at, n, buffer)`` takes each finished chunk from its pinned buffer; ``unstaged()`` copies
+    everything at once when no staging slot is to be had.
+    """
+    with _leased(source.device) as (pool, buffers):
+        if buffers is None:
+            unstaged()
+            return
+
+        def start(at: int, n: int, buffer: torch.Tensor) -> Waitable:
+            buffer[:n].copy_(source[at : at + n], non_blocking=True)
+            return _record_event()
+
+        copy_out(source.numel(), pool.chunk_bytes, buffers, start, drain)
+
+
 def stage_to_host(source: torch.Tensor, dest: memoryview) -> None:
     """Copy a 1-D uint8 device tensor into ``dest`` through pinned chunks, double-buffered.
 
@@ -170,19 +193,32 @@ def stage_to_host(source: torch.Tensor, dest: memoryview) -> None:
         dest: A writable byte memoryview of the same size (a region of the final payload).
     """
     out = torch.frombuffer(dest, dtype=torch.uint8)
-    with _leased(source.device) as (pool, buffers):
-        if buffers is None:
-            out.copy_(source)
-            return
 
-        def start(at: int, n: int, buffer: torch.Tensor) -> Waitable:
-            buffer[:n].copy_(source[at : at + n], non_blocking=True)
-            return _record_event()
+    def drain(at: int, n: int, buffer: torch.Tensor) -> None:
+        out[at : at + n].copy_(buffer[:n])  # host to host: torch's copy uses the intra-op threads
 
-        def drain(at: int, n: int, buffer: torch.Tensor) -> None:
-            out[at : at + n].copy_(buffer[:n])  # host to host: torch's copy uses the intra-op threads
+    _stage_out(source, drain, lambda: out.copy_(source))
 
-        copy_out(source.numel(), pool.chunk_bytes, buffers, start, drain)
+
+def stage_to_writer(source: torch.Tensor, write: Callable[[memoryview], object]) -> None:
+    """Hand a 1-D uint8 device tensor's bytes to a file's ``write``, chunk by chunk from the pinned buffers.
+
+    No full-size host copy is made (except on the unstaged fallback): each chunk's pinned buffer is given to
+    ``write`` and reused once ``write`` returned.
+
+    Args:
+        source: The bytes on the device (a uint8 view of a whole storage).
+        write: The file's ``write``.
+    """
+
+    def drain(at: int, n: int, buffer: torch.Tensor) -> None:
+        write(_bytes_of(buffer)[:n])
+
+    def unstaged() -> None:
+        host = source.cpu()
+        write(_bytes_of(host))
+
+    _stage_out(source, drain, unstaged)
 
 
 def _bytes_of(buffer: torch.Tensor) -> memoryview:
@@ -236,6 +272,7 @@ def _deferred_host_buffer(storage: torch.UntypedStorage) -> pickle.PickleBuffer:
     source = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
     placeholder = Deferred(-1, storage.nbytes())
     placeholder.fill = lambda dest: stage_to_host(source, dest)
+    placeholder.stream = lambda write: stage_to_writer(source, write)
     return pickle.PickleBuffer(placeholder)
 
 
