@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -171,6 +172,21 @@ def test_staged_loads_peak_host_memory_is_the_storage_not_twice() -> None:
     assert done.returncode == 0, done.stderr
     grew = float(done.stdout)
     assert 0.9 < grew < 1.5  # the storage (1x) and the pool (2 MiB); the old full-size copy made it 2x
+
+
+def test_tensor_over_a_read_only_view_is_the_same_memory() -> None:
+    """The payload ``bytes`` are read by torch in place: no copy, no non-writable-buffer warning."""
+    data = bytes(range(256)) * 10
+    start = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+    assert start is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tensor = _tensors._tensor_over(memoryview(data)[7:1007])
+    assert tensor.data_ptr() == start + 7
+    assert tensor.numel() == 1000
+    assert bytes(_tensors._bytes_of(tensor.clone())) == data[7:1007]
+    writable = bytearray(data)
+    assert _tensors._tensor_over(memoryview(writable)[3:]).data_ptr() == _tensors._address(writable) + 3
 
 
 def test_a_region_no_storage_takes_is_refused(

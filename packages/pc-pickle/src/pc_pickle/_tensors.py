@@ -226,13 +226,55 @@ def _bytes_of(buffer: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * buffer.numel()).from_address(buffer.data_ptr())).cast("B")
 
 
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer``, filled by the buffer protocol's public C API ``PyObject_GetBuffer``."""
+
+    _fields_ = (
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    )
+
+
+# Prototypes of their own, so that ctypes.pythonapi's shared function objects are left as they are.
+_get_buffer = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)(
+    ("PyObject_GetBuffer", ctypes.pythonapi)
+)
+_release_buffer = ctypes.PYFUNCTYPE(None, ctypes.POINTER(_PyBuffer))(("PyBuffer_Release", ctypes.pythonapi))
+
+
+def _tensor_over(source: memoryview) -> torch.Tensor:
+    """A uint8 tensor over a flat byte view's memory, without a copy, read-only views included.
+
+    ``torch.frombuffer`` warns on a read-only buffer (the payload ``bytes`` of a load), so for one the
+    tensor is made over the view's address instead. It is only read from; ``source`` must stay alive (and
+    unchanged) while the tensor is used.
+    """
+    if not source.readonly:
+        return torch.frombuffer(source, dtype=torch.uint8)
+    view = _PyBuffer()
+    _get_buffer(source, ctypes.byref(view), 0)  # PyBUF_SIMPLE: a contiguous view of bytes
+    try:
+        address = view.buf
+    finally:
+        _release_buffer(ctypes.byref(view))  # source itself still holds its export
+    return torch.frombuffer((ctypes.c_char * len(source)).from_address(address), dtype=torch.uint8)
+
+
 def stage_to_device(source: memoryview, device: torch.device) -> torch.UntypedStorage:
     """Copy host bytes to a new storage on ``device`` through pinned chunks, asynchronously.
 
     The bytes are read where they are (a region of the payload being loaded, read-only when the payload is
-    ``bytes``): each chunk is copied once, from ``source`` into a pinned buffer, and sent from there to the
-    device, so no full-size host copy is made. A writable source is read by torch's (multi-threaded) copy; a
-    read-only one by a memoryview copy, because torch cannot wrap a read-only buffer without a warning.
+    ``bytes``): each chunk is copied once, by torch's (multi-threaded) copy, from ``source`` into a pinned
+    buffer, and sent from there to the device, so no full-size host copy is made.
 
     Args:
         source: The bytes, a flat byte-format memoryview; it must stay unchanged until this returns.
@@ -241,25 +283,19 @@ def stage_to_device(source: memoryview, device: torch.device) -> torch.UntypedSt
     Returns:
         The new storage; every copy into it has finished.
     """
-    nbytes = len(source)
-    out = torch.empty((nbytes,), dtype=torch.uint8, device=device)
-    host = None if source.readonly else torch.frombuffer(source, dtype=torch.uint8)
+    host = _tensor_over(source)
+    out = torch.empty((host.numel(),), dtype=torch.uint8, device=device)
     with _leased(device) as (pool, buffers):
         if buffers is None:
-            # Unstaged (pool busy, pinned memory refused): one plain copy; a read-only source is copied once
-            # more into a writable buffer first, on this rare path only.
-            out.copy_(host if host is not None else torch.frombuffer(bytearray(source), dtype=torch.uint8))
+            out.copy_(host)
             return out.untyped_storage()
 
         def start(at: int, n: int, buffer: torch.Tensor) -> Waitable:
-            if host is not None:
-                buffer[:n].copy_(host[at : at + n])
-            else:
-                _bytes_of(buffer)[:n] = source[at : at + n]
+            buffer[:n].copy_(host[at : at + n])
             out[at : at + n].copy_(buffer[:n], non_blocking=True)
             return _record_event()
 
-        copy_in(nbytes, pool.chunk_bytes, buffers, start)
+        copy_in(host.numel(), pool.chunk_bytes, buffers, start)
     return out.untyped_storage()
 
 
