@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import pc_pickle
-from pc_pickle import _payload, _seal
+from pc_pickle import _payload, _seal, _tensors
 from pc_pickle._bigbuf import HUGE_MIN
+from pc_pickle._errors import PayloadError
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -66,6 +67,36 @@ def test_pickle_reader_windows_are_views_that_stop_at_regions() -> None:
     assert reader.peek(1) == b""
 
 
+def test_pickle_reader_lends_regions_instead_of_copying_them() -> None:
+    """With lent regions, readinto at a region start leaves its target untouched and lends a payload view."""
+    data = bytes(range(256)) * 40
+    regions = _tensors.LentRegions()
+    reader = _payload._Reader(memoryview(data), (1000, 5000), regions)
+    reader.read(1000)
+    target = bytearray(4000)
+    assert reader.readinto(target) == 4000
+    assert target == bytes(4000)  # not written
+    lent = regions.take(target)
+    assert lent is not None
+    assert lent.obj is data
+    assert bytes(lent) == data[1000:5000]
+    assert regions.take(target) is None  # taken once
+    assert len(regions) == 0
+    reader.read(10)
+    elsewhere = bytearray(100)  # not at a region start: copied as before
+    assert reader.readinto(elsewhere) == 100
+    assert elsewhere == data[5010:5110]
+    assert len(regions) == 0
+
+
+def test_pickle_lent_region_of_the_wrong_size_is_refused() -> None:
+    regions = _tensors.LentRegions()
+    target = bytearray(10)
+    regions.lend(memoryview(target), memoryview(b"x" * 9))
+    with pytest.raises(PayloadError, match="raw region of 9 bytes"):
+        regions.take(target)
+
+
 def test_pickle_reader_readline() -> None:
     reader = _payload._Reader(memoryview(b"ab\ncd"))
     assert reader.readline() == b"ab\n"
@@ -74,10 +105,12 @@ def test_pickle_reader_readline() -> None:
 
 
 def test_pickle_raw_regions_are_read_into_their_destination(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every region reaches readinto (which advises huge pages) instead of being copied out of a window."""
+    """Every region reaches readinto instead of being copied out of a window, then is copied whole into its
+    (huge-page advised) storage when its table entry is built: once, not through a window."""
     data, obj = _payload_with_regions()
     seen: list[int] = []
     monkeypatch.setattr(_payload, "_advise_target", lambda target: seen.append(len(target)))
+    monkeypatch.setattr(_tensors, "advise", lambda address, length: seen.append(length))
     for kind in (bytes, bytearray, memoryview):
         seen.clear()
         out = pc_pickle.loads(kind(data))

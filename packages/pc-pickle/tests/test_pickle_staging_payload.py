@@ -3,12 +3,16 @@ events, ordinary buffers), and the real CUDA path (``gpu``)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
+import os
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +85,132 @@ def test_staged_chunks_are_written_into_the_final_payload(
     assert torch.equal(pc_pickle.loads(data), tensor)
 
 
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_staged_loads_reads_the_payload_in_place(
+    kind: Callable[[bytes], object], cpu_staging: BufferPool[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged storage is copied to the device from a view of the payload itself, not from a host copy."""
+    sources: list[memoryview] = []
+    stage = _tensors.stage_to_device
+
+    def spy(source: memoryview, device: torch.device) -> torch.UntypedStorage:
+        sources.append(source)
+        return stage(source, device)
+
+    monkeypatch.setattr(_tensors, "stage_to_device", spy)
+    tensor = torch.randn(1 << 20)
+    other = torch.arange(300_001, dtype=torch.float64)
+    payload = kind(pc_pickle.dumps({"t": tensor, "view": tensor[3:], "other": other}))
+    owner = payload.obj if isinstance(payload, memoryview) else payload
+    out = pc_pickle.loads(payload)  # type: ignore[arg-type]
+    assert [len(s) for s in sources] == [tensor.nbytes, other.nbytes]
+    assert all(isinstance(s, memoryview) and s.obj is owner for s in sources)  # views of the payload
+    assert all(s.readonly == isinstance(owner, bytes) for s in sources)
+    assert torch.equal(torch.frombuffer(bytearray(sources[0]), dtype=torch.float32), tensor)
+    assert torch.equal(out["t"], tensor)
+    assert torch.equal(out["view"], tensor[3:])
+    assert out["view"].untyped_storage().data_ptr() == out["t"].untyped_storage().data_ptr()
+    assert torch.equal(out["other"], other)
+    assert cpu_staging.free_slots * 2 * cpu_staging.chunk_bytes == cpu_staging.allocated_bytes
+
+
+@pytest.mark.parametrize("writable", [True, False], ids=["writable", "read-only"])
+@pytest.mark.parametrize("busy", [False, True], ids=["staged", "pool-busy"])
+def test_stage_to_device_copies_a_view_exactly(
+    writable: bool, busy: bool, cpu_staging: BufferPool[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both source kinds (torch's copy, memoryview copy) and the unstaged fallback give the same bytes."""
+    monkeypatch.setattr(_tensors, "LEASE_TIMEOUT_S", 0.01)
+    raw = torch.randint(0, 256, (5 * cpu_staging.chunk_bytes + 77,), dtype=torch.uint8)
+    data = bytes(_tensors._bytes_of(raw))
+    source = memoryview(bytearray(data) if writable else data)[5:]
+    with contextlib.ExitStack() as held:
+        for _ in range(2 if busy else 1):  # the pool has 2 slots: leave one free, or none
+            assert held.enter_context(cpu_staging.lease(1.0)) is not None
+        made = cpu_staging.allocated_bytes
+        out = _tensors.stage_to_device(source, torch.device("cpu"))
+        assert cpu_staging.allocated_bytes == (made if busy else cpu_staging.bound_bytes)
+    assert bytes(_tensors._bytes_of(torch.empty(0, dtype=torch.uint8).set_(out))) == data[5:]
+
+
+_PEAK_PROBE = """
+import torch, pc_pickle
+from pc_pickle import _tensors
+from pc_pickle._staging import BufferPool
+from pickle_staging_testutils import CountingAllocator, DoneEvent
+
+_tensors.STAGED_DEVICE_TYPES = ("cpu",)
+_tensors._record_event = DoneEvent
+_tensors._pool = BufferPool(CountingAllocator(), chunk_bytes=1 << 20, depth=2, slots=1)
+size = 64 << 20
+payload = pc_pickle.dumps(torch.ones(size // 4))
+
+def kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak (VmHWM) to the current resident size
+before = kib("VmRSS")
+out = pc_pickle.loads(payload)
+grew = (kib("VmHWM") - before) * 1024 / size
+assert torch.equal(out, torch.ones(size // 4))
+print(grew)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_staged_loads_peak_host_memory_is_the_storage_not_twice() -> None:
+    """Loading a staged 64 MiB storage (the "device" is the CPU here, so its copy is host memory too) raises
+    the peak resident size by about the storage, not by the storage plus a full-size copy of its bytes."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    if done.returncode != 0 and "clear_refs" in done.stderr:
+        pytest.skip(f"cannot reset the peak resident size: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr
+    grew = float(done.stdout)
+    assert 0.9 < grew < 1.5  # the storage (1x) and the pool (2 MiB); the old full-size copy made it 2x
+
+
+def test_tensor_over_a_read_only_view_is_the_same_memory() -> None:
+    """The payload ``bytes`` are read by torch in place: no copy, no non-writable-buffer warning."""
+    data = bytes(range(256)) * 10
+    start = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+    assert start is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tensor = _tensors._tensor_over(memoryview(data)[7:1007])
+    assert tensor.data_ptr() == start + 7
+    assert tensor.numel() == 1000
+    assert bytes(_tensors._bytes_of(tensor.clone())) == data[7:1007]
+    writable = bytearray(data)
+    assert _tensors._tensor_over(memoryview(writable)[3:]).data_ptr() == _tensors._address(writable) + 3
+
+
+def test_a_region_no_storage_takes_is_refused(
+    cpu_staging: BufferPool[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lent region left unfilled would be a storage of wrong bytes: the load fails loudly instead."""
+    payload = pc_pickle.dumps(torch.randn(1 << 20))
+    monkeypatch.setattr(_tensors.LentRegions, "take", lambda self, data: None)
+    with pytest.raises(pc_pickle.PayloadError, match="outside the storage table"):
+        pc_pickle.loads(payload)
+
+
+def test_loaded_storages_do_not_alias_the_payload(cpu_staging: BufferPool[torch.Tensor]) -> None:
+    """Read in place, yet copied: changing the payload after loads changes no tensor (staged or not)."""
+    staged, plain = torch.randn(1 << 20), torch.randn(50_000)  # 4 MiB staged, 200 kB a raw region unstaged
+    payload = bytearray(pc_pickle.dumps([staged, plain]))
+    out = pc_pickle.loads(payload)
+    payload[:] = bytes(len(payload))
+    assert torch.equal(out[0], staged)
+    assert torch.equal(out[1], plain)
+    out[1].add_(1)  # a CPU storage is writable and its own
+    assert torch.equal(out[1], plain + 1)
+
+
 def test_staged_pickler_writes_to_a_file(cpu_staging: BufferPool[torch.Tensor]) -> None:
     tensor = torch.randn(600_000)
     buf = io.BytesIO()
@@ -88,6 +218,41 @@ def test_staged_pickler_writes_to_a_file(cpu_staging: BufferPool[torch.Tensor]) 
     out = pc_pickle.loads(buf.getvalue())
     assert torch.equal(out[0], tensor)
     assert torch.equal(out[1], tensor[5:])
+
+
+class _RecordingFile:
+    """A binary file that copies what each ``write`` gets (as the ``io`` contract allows) and its size."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: object) -> int:
+        self.parts.append(bytes(memoryview(data)))  # type: ignore[arg-type]
+        return len(self.parts[-1])
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["staged", "pool-busy"])
+def test_staged_pickler_streams_chunks_to_its_file(
+    busy: bool, cpu_staging: BufferPool[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged storage reaches the file in pinned-buffer chunks, never as one full-size host copy."""
+    monkeypatch.setattr(_tensors, "LEASE_TIMEOUT_S", 0.01)
+    tensor = torch.randn(1 << 20)  # 4 MiB: 16 chunks of 256 KiB
+    file = _RecordingFile()
+    with contextlib.ExitStack() as held:
+        for _ in range(2 if busy else 0):
+            assert held.enter_context(cpu_staging.lease(1.0)) is not None
+        pc_pickle.Pickler(file, copy_tensor=True).dump(tensor)  # type: ignore[arg-type]
+    sizes = [len(part) for part in file.parts]
+    if busy:
+        assert tensor.nbytes in sizes  # the unstaged fallback writes it at once
+    else:
+        assert max(sizes) <= cpu_staging.chunk_bytes
+        assert sizes.count(cpu_staging.chunk_bytes) == tensor.nbytes // cpu_staging.chunk_bytes
+    payload = b"".join(file.parts)
+    monkeypatch.setattr(_tensors, "STAGED_DEVICE_TYPES", ())
+    assert payload == pc_pickle.dumps(tensor)  # the same bytes as an unstaged dumps
+    assert torch.equal(pc_pickle.loads(payload), tensor)
 
 
 def test_small_storages_are_not_staged(cpu_staging: BufferPool[torch.Tensor]) -> None:
@@ -195,6 +360,28 @@ def _to_cuda_view(host: torch.Tensor) -> torch.Tensor:
     return torch.empty((0,), dtype=host.dtype, device="cuda").set_(
         storage, host.storage_offset(), host.shape, host.stride()
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [bytes, bytearray])
+def test_cuda_loads_stages_from_the_payload_in_place(
+    kind: Callable[[bytes], object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sources: list[memoryview] = []
+    stage = _tensors.stage_to_device
+
+    def spy(source: memoryview, device: torch.device) -> torch.UntypedStorage:
+        sources.append(source)
+        return stage(source, device)
+
+    monkeypatch.setattr(_tensors, "stage_to_device", spy)
+    tensor = torch.randn(20_000_003, device="cuda")  # several 16 MB chunks, a short last one
+    payload = kind(pc_pickle.dumps(tensor))
+    out = pc_pickle.loads(payload)  # type: ignore[arg-type]
+    assert len(sources) == 1
+    assert sources[0].obj is payload
+    assert out.device == tensor.device
+    assert torch.equal(out, tensor)
 
 
 @pytest.mark.gpu

@@ -8,8 +8,9 @@ when asked; this module asks for the two big buffers of a copy round trip:
 
 * :func:`join` builds the payload ``bytes`` of :func:`pc_pickle.dumps` (a fresh, not yet touched bytes
   object, advised, then filled piece by piece) instead of ``b"".join``;
-* :func:`advise` is called by the loader's reader on the fresh ``bytearray`` the unpickler reads a tensor's
-  raw bytes into, before the bytes are copied in.
+* :func:`advise` is called on the fresh ``bytearray`` the unpickler allocates for a CPU tensor's raw bytes,
+  before the bytes are copied in (by the loader's reader, or when the lent region is taken back:
+  :class:`pc_pickle._tensors.LentRegions`).
 
 Both are no-ops where ``madvise`` is missing (not Linux) or refuses; they change only the page size of memory
 that is about to be written, never its contents.
@@ -109,7 +110,7 @@ def join(pieces: Sequence[Any]) -> bytes:
     dest = memoryview((ctypes.c_char * total).from_address(address)).cast("B")
     at = 0
     for view, placeholder in zip(views, placeholders, strict=True):
-        if placeholder is not None and not placeholder.filled:
+        if placeholder is not None:
             placeholder.fill(dest[at : at + view.nbytes])
         else:
             dest[at : at + view.nbytes] = view

@@ -15,7 +15,7 @@ from typing import Any
 from pc_pickle._bigbuf import HUGE_MIN, advise, blank_bytes
 from pc_pickle._errors import PayloadError
 from pc_pickle._seal import FORMAT_VERSION
-from pc_pickle._tensors import installed_storages, materialize_entry
+from pc_pickle._tensors import LentRegions, installed_storages, lent_regions, materialize_entry
 
 __all__ = ["FORMAT_VERSION", "Chunks", "Payload", "outer_pieces", "release_outer", "unpickle"]
 
@@ -119,19 +119,26 @@ class _Reader:
 
     The stops are where the raw bytes of large tensor storages begin (the seal's regions). A window ends at
     one, so the unpickler reads each region whole with ``readinto``, into the fresh ``bytearray`` it
-    allocated for it, advised to use huge pages first (:mod:`pc_pickle._bigbuf`), rather than copying part
-    of it out of a window into 4 KiB pages that each fault in.
+    allocated for it, rather than copying part of it out of a window into 4 KiB pages that each fault in.
+    With ``regions``, a region is not copied there at all: the bytearray is left untouched and the payload's
+    bytes are lent (:class:`pc_pickle._tensors.LentRegions`), to be copied once, straight to where the
+    storage goes, when its table entry is materialized. Without, they are copied into the bytearray, advised
+    to use huge pages first (:mod:`pc_pickle._bigbuf`).
 
     Args:
         view: The stream, a byte-format memoryview; it must stay unchanged while the unpickler reads it.
         stops: Offsets in ``view`` where raw regions begin, ascending.
+        regions: Where to lend the regions instead of copying them.
     """
 
-    __slots__ = ("_at", "_stops", "_view")
+    __slots__ = ("_at", "_regions", "_stops", "_view")
 
-    def __init__(self, view: memoryview, stops: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, view: memoryview, stops: tuple[int, ...] = (), regions: LentRegions | None = None
+    ) -> None:
         self._view = view
         self._stops = stops
+        self._regions = regions
         self._at = 0
 
     def peek(self, size: int = 0, /) -> memoryview:
@@ -149,6 +156,12 @@ class _Reader:
 
     def readinto(self, buffer: Any, /) -> int:
         target = memoryview(buffer).cast("B")
+        at = self._at
+        index = bisect.bisect_left(self._stops, at)
+        if self._regions is not None and index < len(self._stops) and self._stops[index] == at and target:
+            chunk = self.read(len(target))
+            self._regions.lend(target, chunk)
+            return len(chunk)
         _advise_target(target)
         chunk = self.read(len(target))
         target[: len(chunk)] = chunk
@@ -169,10 +182,27 @@ class _ReleaseUnpickler(_Unpickler):
         return super().find_class(module_name, global_name)
 
 
-def _reader_of(data: bytes | bytearray | memoryview, stops: tuple[int, ...]) -> Any:
+def _reader_of(
+    data: bytes | bytearray | memoryview, stops: tuple[int, ...], regions: LentRegions | None = None
+) -> Any:
     # Any: typeshed's unpickler wants read() -> bytes; the C unpickler takes any buffer (views here).
     view = memoryview(data)
-    return _Reader(view if view.format == "B" and view.ndim == 1 else view.cast("B"), stops)
+    return _Reader(view if view.format == "B" and view.ndim == 1 else view.cast("B"), stops, regions)
+
+
+def _load_lending(
+    unpickler: type[pickle.Unpickler], data: bytes | bytearray | memoryview, stops: tuple[int, ...]
+) -> Any:
+    """Run ``unpickler`` over ``data``, its raw regions lent in place to the table entries that hold them."""
+    if not stops:
+        return unpickler(_reader_of(data, stops)).load()
+    with lent_regions() as regions:
+        result = unpickler(_reader_of(data, stops, regions)).load()
+        if len(regions):  # every region of a verified payload is a storage's bytes, taken when it was built
+            raise PayloadError(
+                f"corrupt pc_pickle payload: {len(regions)} raw region(s) outside the storage table"
+            )
+    return result
 
 
 def release_outer(data: bytes | bytearray | memoryview, stops: tuple[int, ...] = ()) -> None:
@@ -187,7 +217,7 @@ def release_outer(data: bytes | bytearray | memoryview, stops: tuple[int, ...] =
         SharedHandleError: If a share handle cannot be opened (see :func:`pc_pickle.release`).
     """
     try:
-        _ReleaseUnpickler(_reader_of(data, stops)).load()
+        _load_lending(_ReleaseUnpickler, data, stops)
     except PayloadError:
         raise
     except (EOFError, pickle.UnpicklingError) as exc:
@@ -210,7 +240,7 @@ def unpickle(data: bytes | bytearray | memoryview, stops: tuple[int, ...] = ()) 
             propagate unchanged.
     """
     try:
-        return _Unpickler(_reader_of(data, stops)).load()
+        return _load_lending(_Unpickler, data, stops)
     except PayloadError:
         raise
     except (EOFError, pickle.UnpicklingError) as exc:

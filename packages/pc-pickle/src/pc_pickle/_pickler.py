@@ -38,7 +38,7 @@ from pc_pickle._functions import DILL_ONLY_TYPES, needs_by_value, reduce_by_valu
 from pc_pickle._payload import Chunks, outer_pieces, release_outer, unpickle
 from pc_pickle._resources import is_resource, reduce_resource
 from pc_pickle._seal import seal, verify
-from pc_pickle._staging import resolve
+from pc_pickle._staging import write_piece
 from pc_pickle._tensors import StorageTable
 
 __all__ = ["Pickler", "dumps", "loads"]
@@ -258,7 +258,7 @@ class Pickler(pickle.Pickler):
                 pickled; the message starts with its access path. Nothing is written in that case.
         """
         for piece in _write_payload(obj, self.recurse, self.copy_tensor, self.read_files):
-            self._file.write(resolve(piece))  # a staged CUDA storage is copied here, not before
+            write_piece(piece, self._file.write)  # a staged CUDA storage is copied here, in chunks
 
 
 def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True, *, read_files: bool = False) -> bytes:

@@ -36,8 +36,8 @@ __all__ = [
     "copy_in",
     "copy_out",
     "deferred_of",
-    "resolve",
     "spans",
+    "write_piece",
 ]
 
 CHUNK_BYTES = 16 << 20
@@ -262,15 +262,17 @@ class Deferred(mmap.mmap):
     It is anonymous memory of the right size that stays untouched (so it costs no physical memory) while
     the payload is assembled around it. :func:`pc_pickle._bigbuf.join` recognises it (:func:`deferred_of`)
     and calls :attr:`fill` on the payload's own bytes; a writer that hands pieces to a file calls
-    :func:`resolve` first, which fills the placeholder itself.
+    :func:`write_piece`, which hands the bytes to the file chunk by chunk (:attr:`stream`), so the
+    placeholder's own memory is never written either.
 
-    Create with ``Deferred(-1, nbytes)`` (nbytes >= 1), then set :attr:`fill`.
+    Create with ``Deferred(-1, nbytes)`` (nbytes >= 1), then set :attr:`fill` and :attr:`stream`.
     """
 
     fill: Callable[[memoryview], None]
     """Writes the bytes into a writable byte memoryview of exactly this size."""
-    filled: bool = False
-    """Whether :func:`resolve` already filled the placeholder itself."""
+    stream: Callable[[Callable[[memoryview], object]], None]
+    """Calls a file's ``write`` with the bytes, in order, in chunks; a chunk's view is reused after ``write``
+    returns (the ``io`` contract: a file must not keep the buffer it was given)."""
 
 
 def deferred_of(piece: Any) -> Deferred | None:
@@ -283,19 +285,15 @@ def deferred_of(piece: Any) -> Deferred | None:
     return None
 
 
-def resolve(piece: Any) -> Any:
-    """Fill a deferred piece in place (once) so it can be written as it is; other pieces are unchanged.
+def write_piece(piece: Any, write: Callable[[Any], object]) -> None:
+    """Hand one payload piece to a file's ``write``; a deferred piece is streamed without a full-size copy.
 
     Args:
         piece: A payload piece.
-
-    Returns:
-        The piece.
+        write: The file's ``write``.
     """
     placeholder = deferred_of(piece)
-    if placeholder is not None and not placeholder.filled:
-        # Not released with `with`: a filler that failed may still hold an export of the view (a tensor over
-        # it in its traceback), and releasing then would hide its error behind a BufferError.
-        placeholder.fill(memoryview(placeholder))
-        placeholder.filled = True
-    return piece
+    if placeholder is None:
+        write(piece)
+    else:
+        placeholder.stream(write)

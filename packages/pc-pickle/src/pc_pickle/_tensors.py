@@ -18,9 +18,9 @@ unpickled with that list installed as the thread's current table, which ``_rebui
 Copies of large CUDA storages are staged through a bounded pool of pinned host buffers
 (:mod:`pc_pickle._staging`): on dump, chunks are copied device->host asynchronously and drained straight into
 the final payload (the table entry holds a :class:`~pc_pickle._staging.Deferred` placeholder until the join);
-on load, chunks are copied into pinned buffers and sent to the device asynchronously (a buffer is refilled
-once its last copy is done), and the copies are waited for once at the end. The payload bytes are the same
-as an unstaged copy's.
+on load, the storage's bytes are read in place from the payload (:class:`LentRegions`), copied chunk by chunk
+into pinned buffers and sent to the device asynchronously (a buffer is refilled once its last copy is done),
+and the copies are waited for once at the end. The payload bytes are the same as an unstaged copy's.
 
 Non-goals: sparse, quantized, nested and meta tensors, tensors with the conjugate or negative bit set, tensor
 subclasses other than ``nn.Parameter`` and legacy typed storages in copy mode are left to torch's own
@@ -39,19 +39,23 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
+from pc_pickle._bigbuf import advise
 from pc_pickle._errors import PayloadError, SharedHandleError, UnpicklableObjectError
 from pc_pickle._staging import BufferPool, Deferred, Waitable, copy_in, copy_out
 
 __all__ = [
     "SHARE_REDUCERS",
+    "LentRegions",
     "StorageTable",
     "current_storages",
     "installed_storages",
+    "lent_regions",
     "materialize_entry",
     "rebuild_cuda_event",
     "reduce_cuda_event",
     "stage_to_device",
     "stage_to_host",
+    "stage_to_writer",
     "staging_pool",
 ]
 
@@ -159,6 +163,28 @@ def _leased(device: torch.device) -> Iterator[tuple[BufferPool[torch.Tensor], li
         yield pool, buffers
 
 
+def _stage_out(
+    source: torch.Tensor,
+    drain: Callable[[int, int, torch.Tensor], None],
+    unstaged: Callable[[], object],
+) -> None:
+    """Copy a 1-D uint8 device tensor out through pinned chunks, double-buffered (see :func:`copy_out`).
+
+    ``drain(at, n, buffer)`` takes each finished chunk from its pinned buffer; ``unstaged()`` copies
+    everything at once when no staging slot is to be had.
+    """
+    with _leased(source.device) as (pool, buffers):
+        if buffers is None:
+            unstaged()
+            return
+
+        def start(at: int, n: int, buffer: torch.Tensor) -> Waitable:
+            buffer[:n].copy_(source[at : at + n], non_blocking=True)
+            return _record_event()
+
+        copy_out(source.numel(), pool.chunk_bytes, buffers, start, drain)
+
+
 def stage_to_host(source: torch.Tensor, dest: memoryview) -> None:
     """Copy a 1-D uint8 device tensor into ``dest`` through pinned chunks, double-buffered.
 
@@ -167,31 +193,97 @@ def stage_to_host(source: torch.Tensor, dest: memoryview) -> None:
         dest: A writable byte memoryview of the same size (a region of the final payload).
     """
     out = torch.frombuffer(dest, dtype=torch.uint8)
-    with _leased(source.device) as (pool, buffers):
-        if buffers is None:
-            out.copy_(source)
-            return
 
-        def start(at: int, n: int, buffer: torch.Tensor) -> Waitable:
-            buffer[:n].copy_(source[at : at + n], non_blocking=True)
-            return _record_event()
+    def drain(at: int, n: int, buffer: torch.Tensor) -> None:
+        out[at : at + n].copy_(buffer[:n])  # host to host: torch's copy uses the intra-op threads
 
-        def drain(at: int, n: int, buffer: torch.Tensor) -> None:
-            out[at : at + n].copy_(buffer[:n])  # host to host: torch's copy uses the intra-op threads
-
-        copy_out(source.numel(), pool.chunk_bytes, buffers, start, drain)
+    _stage_out(source, drain, lambda: out.copy_(source))
 
 
-def stage_to_device(host: torch.Tensor, device: torch.device) -> torch.UntypedStorage:
-    """Copy a 1-D uint8 host tensor to a new storage on ``device`` through pinned chunks, asynchronously.
+def stage_to_writer(source: torch.Tensor, write: Callable[[memoryview], object]) -> None:
+    """Hand a 1-D uint8 device tensor's bytes to a file's ``write``, chunk by chunk from the pinned buffers.
+
+    No full-size host copy is made (except on the unstaged fallback): each chunk's pinned buffer is given to
+    ``write`` and reused once ``write`` returned.
 
     Args:
-        host: The bytes (pageable host memory).
+        source: The bytes on the device (a uint8 view of a whole storage).
+        write: The file's ``write``.
+    """
+
+    def drain(at: int, n: int, buffer: torch.Tensor) -> None:
+        write(_bytes_of(buffer)[:n])
+
+    def unstaged() -> None:
+        host = source.cpu()
+        write(_bytes_of(host))
+
+    _stage_out(source, drain, unstaged)
+
+
+def _bytes_of(buffer: torch.Tensor) -> memoryview:
+    """A writable byte memoryview over a contiguous uint8 CPU tensor's memory (a pinned staging buffer)."""
+    return memoryview((ctypes.c_char * buffer.numel()).from_address(buffer.data_ptr())).cast("B")
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer``, filled by the buffer protocol's public C API ``PyObject_GetBuffer``."""
+
+    _fields_ = (
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    )
+
+
+# Prototypes of their own, so that ctypes.pythonapi's shared function objects are left as they are.
+_get_buffer = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)(
+    ("PyObject_GetBuffer", ctypes.pythonapi)
+)
+_release_buffer = ctypes.PYFUNCTYPE(None, ctypes.POINTER(_PyBuffer))(("PyBuffer_Release", ctypes.pythonapi))
+
+
+def _tensor_over(source: memoryview) -> torch.Tensor:
+    """A uint8 tensor over a flat byte view's memory, without a copy, read-only views included.
+
+    ``torch.frombuffer`` warns on a read-only buffer (the payload ``bytes`` of a load), so for one the
+    tensor is made over the view's address instead. It is only read from; ``source`` must stay alive (and
+    unchanged) while the tensor is used.
+    """
+    if not source.readonly:
+        return torch.frombuffer(source, dtype=torch.uint8)
+    view = _PyBuffer()
+    _get_buffer(source, ctypes.byref(view), 0)  # PyBUF_SIMPLE: a contiguous view of bytes
+    try:
+        address = view.buf
+    finally:
+        _release_buffer(ctypes.byref(view))  # source itself still holds its export
+    return torch.frombuffer((ctypes.c_char * len(source)).from_address(address), dtype=torch.uint8)
+
+
+def stage_to_device(source: memoryview, device: torch.device) -> torch.UntypedStorage:
+    """Copy host bytes to a new storage on ``device`` through pinned chunks, asynchronously.
+
+    The bytes are read where they are (a region of the payload being loaded, read-only when the payload is
+    ``bytes``): each chunk is copied once, by torch's (multi-threaded) copy, from ``source`` into a pinned
+    buffer, and sent from there to the device, so no full-size host copy is made.
+
+    Args:
+        source: The bytes, a flat byte-format memoryview; it must stay unchanged until this returns.
         device: Where the storage goes.
 
     Returns:
         The new storage; every copy into it has finished.
     """
+    host = _tensor_over(source)
     out = torch.empty((host.numel(),), dtype=torch.uint8, device=device)
     with _leased(device) as (pool, buffers):
         if buffers is None:
@@ -216,6 +308,7 @@ def _deferred_host_buffer(storage: torch.UntypedStorage) -> pickle.PickleBuffer:
     source = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
     placeholder = Deferred(-1, storage.nbytes())
     placeholder.fill = lambda dest: stage_to_host(source, dest)
+    placeholder.stream = lambda write: stage_to_writer(source, write)
     return pickle.PickleBuffer(placeholder)
 
 
@@ -419,6 +512,69 @@ def _check_device(device: str) -> torch.device:
     return dev
 
 
+def _address(buffer: Any) -> int:
+    """Where a writable buffer's bytes start."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+class LentRegions:
+    """Raw storage regions of the payload being loaded, left in place until their table entry is built.
+
+    The C unpickler reads a region (``BYTEARRAY8``) by allocating a ``bytearray`` of its size and asking the
+    reader to ``readinto`` it. The loader's reader instead leaves the bytearray untouched (its pages are
+    never faulted in) and lends the payload's own bytes, keyed by the bytearray's address; when the table
+    entry holding that bytearray is materialized, :meth:`take` hands the payload view back. A staged storage
+    is then copied from the payload view straight into pinned chunks (no full-size host copy); a CPU storage
+    is copied into the bytearray, the one copy it always took. One instance per load, used by one thread.
+    """
+
+    __slots__ = ("_lent",)
+
+    def __init__(self) -> None:
+        self._lent: dict[int, memoryview] = {}
+
+    def __len__(self) -> int:
+        return len(self._lent)
+
+    def lend(self, target: memoryview, source: memoryview) -> None:
+        """Record that ``target`` (the unpickler's fresh buffer, left unfilled) holds the bytes ``source``."""
+        self._lent[_address(target)] = source
+
+    def take(self, data: object) -> memoryview | None:
+        """The payload bytes lent for ``data`` (removed from the record), or None when it was filled as usual.
+
+        Raises:
+            PayloadError: If the lent bytes do not match ``data``'s size (never for a verified payload).
+        """
+        if not self._lent or not isinstance(data, bytearray) or not data:
+            return None
+        source = self._lent.pop(_address(data), None)
+        if source is not None and len(source) != len(data):
+            raise PayloadError(
+                f"corrupt pc_pickle payload: a raw region of {len(source)} bytes was read for a storage of "
+                f"{len(data)} bytes"
+            )
+        return source
+
+
+@contextlib.contextmanager
+def lent_regions() -> Iterator[LentRegions]:
+    """Install a fresh :class:`LentRegions` as this thread's while a payload is unpickled (nests)."""
+    previous = getattr(_local, "regions", None)
+    regions = _local.regions = LentRegions()
+    try:
+        yield regions
+    finally:
+        _local.regions = previous
+
+
+def _fill_region(data: bytearray, source: memoryview) -> None:
+    """Copy a lent region into the fresh bytearray it belongs to, in huge pages when large (see _bigbuf)."""
+    target = memoryview(data)
+    advise(_address(data), len(target))
+    target[:] = source
+
+
 def materialize_entry(entry: tuple[Any, ...]) -> torch.UntypedStorage:
     """Turn one table entry back into a storage.
 
@@ -438,11 +594,17 @@ def materialize_entry(entry: tuple[Any, ...]) -> torch.UntypedStorage:
         dev = _check_device(device)
         if len(data) == 0:
             return torch.UntypedStorage(0, device=dev)  # type: ignore[no-untyped-call]
+        regions: LentRegions | None = getattr(_local, "regions", None)
+        source = None if regions is None else regions.take(data)
+        if source is not None:
+            if _stages(dev, len(source)):
+                return stage_to_device(source, dev)  # from the payload in place; data stays untouched
+            _fill_region(data, source)
         if not isinstance(data, bytearray):  # read-only buffers would make frombuffer warn
             data = bytearray(data)
+        if _stages(dev, len(data)):
+            return stage_to_device(memoryview(data), dev)
         host = torch.frombuffer(data, dtype=torch.uint8)
-        if _stages(dev, host.numel()):
-            return stage_to_device(host, dev)
         return (host if dev.type == "cpu" else host.to(dev)).untyped_storage()
     if tag in (_SHARE, _SHARE_CUDA):
         if tag == _SHARE_CUDA:
