@@ -1,14 +1,16 @@
 """Turn a GPU check's benchmark JSON into the Benchmarks page's GPU section.
 
-``tools/gpu_check.sh`` runs every ``packages/*/benchmarks/run_cuda.py`` on a GPU machine with ``--out
-<OUT>/bench/<package>-cuda.json``. Bring that folder back and run::
+``tools/gpu_check.sh`` runs every ``packages/*/benchmarks/run*_cuda.py`` on a GPU machine with ``--out
+<OUT>/bench/<package>[-<what>]-cuda.json``. Bring that folder back and run::
 
     python benchmarks/gpu_report.py --from <OUT>/bench   # keep the JSON, regenerate the section
 
-Each JSON that holds measurements (a run without CUDA holds only a note, and is left out) is stamped with the
-date and the GPU it ran on and copied into ``docs/assets/bench/gpu/``; ``docs/bench-tables/gpu.md``, which
-``docs/benchmarks.md`` includes, is then regenerated from every JSON kept there (targets with verdicts, then
-each package's rows beside its peers). Without any GPU JSON the section says so instead of showing numbers.
+The JSON files of one package are merged into one run (rows, targets and notes in file-name order). Each run
+that holds measurements (a run without CUDA holds only a note, and is left out) is stamped with the date and
+the GPU it ran on and copied into ``docs/assets/bench/gpu/`` as ``<package>-cuda.json``;
+``docs/bench-tables/gpu.md``, which ``docs/benchmarks.md`` includes, is then regenerated from every JSON kept
+there (targets with verdicts, then each package's rows beside its peers). Without any GPU JSON the section
+says so instead of showing numbers.
 ``--md PATH --no-store`` writes the section elsewhere and keeps nothing (what the check itself does).
 """
 
@@ -35,16 +37,26 @@ NOT_MEASURED = (
 
 
 def load_runs(folder: Path) -> list[dict[str, Any]]:
-    """The benchmark JSON files of ``folder`` that hold measurements, in name order."""
-    runs = []
+    """The benchmark runs of ``folder`` that hold measurements, one per package, in file-name order.
+
+    A package may have several CUDA scripts (pc-sync: ``run_cuda.py`` and ``run_processes_cuda.py``), each
+    writing its own file; they are merged here so the package keeps one stored JSON and one section.
+    """
+    runs: dict[str, dict[str, Any]] = {}
     for path in sorted(folder.glob("*.json")):
         data = json.loads(path.read_text())
-        if data.get("rows"):
-            data["_file"] = path.name
-            runs.append(data)
-        else:
+        if not data.get("rows"):
             print(f"{path.name}: no measurements ({'; '.join(data.get('notes', []))}), left out")
-    return runs
+            continue
+        run = runs.get(data["package"])
+        if run is None:
+            data["_file"] = path.name
+            runs[data["package"]] = data
+            continue
+        for key in ("rows", "targets", "notes"):
+            run[key] = list(run.get(key, [])) + list(data.get(key, []))
+        run["_file"] += f", {path.name}"
+    return list(runs.values())
 
 
 def _stamp(run: dict[str, Any], when: str) -> dict[str, Any]:

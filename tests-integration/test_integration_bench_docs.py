@@ -351,3 +351,25 @@ def test_bench_gpu_report_keeps_measured_runs_and_leaves_out_a_run_without_cuda(
     text = (tmp_path / "gpu.md").read_text()
     assert "| pc-sync | (cuda) step vs BN | 1.02x | <= 1.05x | yes |" in text
     assert "pc-pool" not in text
+
+
+def test_bench_gpu_report_merges_the_cuda_files_of_one_package(tmp_path: Path) -> None:
+    _run_all()
+    import gpu_report
+
+    def run(impl: str, target: str, note: str) -> dict[str, Any]:
+        row = {"case": "(cuda) c", "impl": impl, "value": 0.001, "unit": "s", "baseline": False}
+        row.update(ratio=None, higher_is_better=False)
+        goal = {"name": target, "measured": 1.0, "op": "<=", "bound": 1.1, "unit": "x", "met": True}
+        goal["note"] = ""
+        return {"package": "pc-sync", "rows": [row], "targets": [goal], "notes": [note]}
+
+    check = tmp_path / "bench"
+    check.mkdir()
+    (check / "pc-sync-processes-cuda.json").write_text(json.dumps(run("pc DDP", "DDP vs torch", "b")))
+    (check / "pc-sync-cuda.json").write_text(json.dumps(run("SyncBN2d", "step vs BN", "a")))
+    (merged,) = gpu_report.load_runs(check)  # one run per package, the files in name order
+    assert [r["impl"] for r in merged["rows"]] == ["SyncBN2d", "pc DDP"]
+    assert [t["name"] for t in merged["targets"]] == ["step vs BN", "DDP vs torch"]
+    assert merged["notes"] == ["a", "b"]
+    assert gpu_report.gpu_markdown([merged]).count("### pc-sync") == 1

@@ -23,6 +23,7 @@ STEPS = (
     "bench-pc-pickle",
     "bench-pc-pool",
     "bench-pc-sync",
+    "bench-pc-sync-processes",
     "gpu-report",
     "demo",
 )
@@ -47,6 +48,6 @@ def test_gpu_check_without_cuda_runs_every_step_and_exits_3(tmp_path: Path) -> N
         assert (out / f"{step}.log").exists()
     assert (out / "gpu-tests.xml").read_text().count("<testcase") > 20  # the gpu tests, skipped
     assert "Not yet measured on a GPU" in (out / "gpu.md").read_text()
-    for package in ("pc-pickle", "pc-pool", "pc-sync"):
-        assert (out / "bench" / f"{package}-cuda.json").exists()
+    for name in ("pc-pickle", "pc-pool", "pc-sync", "pc-sync-processes"):
+        assert (out / "bench" / f"{name}-cuda.json").exists()
     assert '"cuda": false' in (out / "demo.json").read_text()

@@ -133,9 +133,14 @@ if [ "$HAS_CUDA" = 1 ]; then export PC_REQUIRE_GPU=1; fi
 step gpu-tests 200 "$PY" -m pytest "${PYTEST_OPTS[@]}" -q -rs $(ls -d packages/*/tests) tests-integration
 
 # -- the CUDA benchmarks, then the Benchmarks page's GPU section from their JSON -------------------------------
-for script in packages/*/benchmarks/run_cuda.py; do
+# run_cuda.py -> bench-<package>, <package>-cuda.json; run_<what>_cuda.py -> bench-<package>-<what>,
+# <package>-<what>-cuda.json (gpu_report.py merges a package's files). Each script gets its own 75 s.
+for script in packages/*/benchmarks/run*_cuda.py; do
     package=$(basename "$(dirname "$(dirname "$script")")")
-    step "bench-$package" 75 "$PY" "$script" --out "$OUT_DIR/bench/$package-cuda.json"
+    what=$(basename "$script" _cuda.py)
+    what=${what#run}
+    name=$package${what:+-${what#_}}
+    step "bench-$name" 75 "$PY" "$script" --out "$OUT_DIR/bench/$name-cuda.json"
 done
 step gpu-report 30 "$PY" benchmarks/gpu_report.py --from "$OUT_DIR/bench" --md "$OUT_DIR/gpu.md" --no-store
 

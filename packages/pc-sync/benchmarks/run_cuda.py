@@ -98,7 +98,10 @@ def main() -> None:
         for name, value in t.items():
             report.row(f"(cuda) eval {label}", name, value, baseline=(name == "BatchNorm2d"))
     if torch.cuda.device_count() < 2:
-        report.note("not measured with one GPU: cross-GPU replicas, torch.nn.SyncBatchNorm under DDP")
+        report.note(
+            "not measured with one GPU: cross-GPU replicas (torch.nn.SyncBatchNorm under DDP: "
+            "run_processes_cuda.py, gloo ranks sharing cuda:0)"
+        )
     report.finish(args)
 
 
