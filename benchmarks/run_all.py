@@ -67,7 +67,8 @@ def _bench_dir(package: str) -> Path:
 
 def run_package(package: str, quick: bool) -> dict[str, Any]:
     """Run every benchmark script of one package and merge their JSON outputs."""
-    scripts = sorted(_bench_dir(package).glob("run*.py"))
+    # run*_cuda.py scripts need a GPU: tools/gpu_check.sh runs them, and benchmarks/gpu_report.py reports them
+    scripts = sorted(p for p in _bench_dir(package).glob("run*.py") if not p.stem.endswith("_cuda"))
     merged: dict[str, Any] = {
         "package": package,
         "run_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
