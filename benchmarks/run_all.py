@@ -1,13 +1,13 @@
 """Run the benchmarks of every package (or the ones named) and write the combined report.
 
-``nox -s bench`` calls this script. For each package it runs every ``packages/<pkg>/benchmarks/run*.py``
-(but ``run*_cuda.py``, which the GPU check runs) in its own process (``--out`` JSON, ``--quick`` passed
-through), merges them into ``docs/assets/bench/cpu/<pkg>.json`` (committed: the last run of every package,
-so a run of one package rewrites only its own part of the report), then writes ``docs/benchmarks-report.md`` (the issue's targets,
-each beside its measured value with a verdict; every package's own targets, met or not and why not; the
-tables of ratios against the peers), one PNG per package under ``docs/assets/bench/`` for the Benchmarks page,
-and one fragment per package cut from the report, ``docs/bench-tables/<package>.md``, that the guides include
-instead of typing numbers.
+``nox -s bench`` calls this script. For each package it runs every ``packages/<pkg>/benchmarks/run*.py`` (but
+``run*_cuda.py``, which the GPU check runs) in its own process (``--out`` JSON, ``--quick`` passed through),
+merges them into ``docs/assets/bench/cpu/<pkg>.json`` (committed: the last run of every package, so a run of
+one package rewrites only its own part of the report), then writes ``docs/benchmarks-report.md`` (the issue's
+targets, each beside its measured value with a verdict; every package's own targets, met or not and why not;
+the tables of ratios against the peers), one PNG per package under ``docs/assets/bench/`` for the Benchmarks
+page, and one fragment per package cut from the report, ``docs/bench-tables/<package>.md``, that the guides
+include instead of typing numbers.
 
 Usage::
 
