@@ -15,12 +15,17 @@ ends when
 
 ``put`` never waits for a reader, only for pipe space: a reader that stopped reading (or died while another
 process still holds the read end) can block it once the pipe buffer is full.
+
+Threads: every queue may be shared by the threads of a process. Within a process, writes to one pipe are
+serialised by a lock (a message is written whole, never interleaved with another thread's), and a receiving
+thread takes the read lock only to read a message that is ready, as between processes.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context
+import threading
 import time
 from collections.abc import Iterable
 from multiprocessing.connection import Connection, wait
@@ -77,13 +82,17 @@ class SimpleP2PQueue:
     def __init__(self, *, copy_tensor: bool = False) -> None:
         self._reader, self._writer = multiprocessing.Pipe(duplex=False)
         self._copy_tensor = bool(copy_tensor)
+        self._threads_put, self._threads_get = threading.Lock(), threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         multiprocessing.context.assert_spawning(self)
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        del state["_threads_put"], state["_threads_get"]  # per process: the receiving one makes its own
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._threads_put, self._threads_get = threading.Lock(), threading.Lock()
 
     def empty(self) -> bool:
         """Return whether no item is waiting."""
@@ -100,13 +109,15 @@ class SimpleP2PQueue:
         Raises:
             pickle.PicklingError: ``obj`` cannot be pickled.
         """
-        self._writer.send_bytes(_serial.dumps(obj, copy_tensor=self._copy_tensor))
+        data = _serial.dumps(obj, copy_tensor=self._copy_tensor)
+        with self._threads_put:  # a message is written whole, never interleaved with another thread's
+            self._writer.send_bytes(data)
 
     def get(self, timeout: float | None = None, *, watch: Iterable[Any] = ()) -> Any:
         """Get an object from the queue, waiting up to ``timeout`` seconds (``None``: until one arrives).
 
         Args:
-            timeout: Seconds to wait; ``None`` waits until an item arrives or a wake-up below fires.
+            timeout: Seconds to wait for the whole call; ``None`` waits until an item or a wake-up below.
             watch: Processes (or their ``sentinel``) whose end also ends the wait, e.g. the sender.
 
         Raises:
@@ -115,8 +126,19 @@ class SimpleP2PQueue:
             TypeError: ``watch`` holds something that is not a process, a sentinel or a connection.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        _wait_item([self._reader], deadline, timeout, watch)
-        return _serial.loads(self._reader.recv_bytes())
+        watch = list(watch) if not isinstance(watch, (str, bytes)) and hasattr(watch, "__iter__") else watch
+        while True:
+            _wait_item([self._reader], deadline, timeout, watch)
+            left = _remaining(deadline)
+            if not self._threads_get.acquire(timeout=-1 if left is None else left):
+                raise _timeout_error(timeout)
+            try:
+                # Another thread may have taken the message between our wait and the lock.
+                data = self._reader.recv_bytes() if self._reader.poll(0) else None
+            finally:
+                self._threads_get.release()
+            if data is not None:
+                return _serial.loads(data)
 
     @property
     def reader(self) -> Connection:
@@ -197,13 +219,17 @@ class MultiP2PQueue:
             raise ValueError(f"queue_num must be an int >= 1, got {queue_num!r}")
         self.queues = [SimpleP2PQueue(copy_tensor=copy_tensor) for _ in range(queue_num)]
         self._next = 0
+        self._turn = threading.Lock()  # the round-robin position, per process
 
     def __getstate__(self) -> dict[str, Any]:
         multiprocessing.context.assert_spawning(self)
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        del state["_turn"]
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._turn = threading.Lock()
 
     def empty(self) -> bool:
         """Return whether every underlying queue is empty."""
@@ -216,8 +242,9 @@ class MultiP2PQueue:
 
     def put(self, obj: Any) -> None:
         """Put ``obj`` into the next queue, round-robin."""
-        index = self._next
-        self._next = (index + 1) % len(self.queues)
+        with self._turn:
+            index = self._next
+            self._next = (index + 1) % len(self.queues)
         self.queues[index].put(obj)
 
     def put_to(self, index: int, obj: Any) -> None:
@@ -243,5 +270,11 @@ class MultiP2PQueue:
         """
         readers = {q.reader: q for q in self.queues}
         deadline = None if timeout is None else time.monotonic() + timeout
-        reader = _wait_item(list(readers), deadline, timeout, watch)
-        return readers[reader].get(0)
+        watch = list(watch) if not isinstance(watch, (str, bytes)) and hasattr(watch, "__iter__") else watch
+        while True:
+            reader = _wait_item(list(readers), deadline, timeout, watch)
+            try:
+                return readers[reader].get(0)
+            except multiprocessing.TimeoutError:  # another thread took that item: wait for the next one
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise _timeout_error(timeout) from None
