@@ -220,7 +220,8 @@ def adversarial(session: nox.Session) -> None:
         session.error(f"usage: nox -s adversarial -- [EXAMPLES] (an integer), got {session.posargs}")
     _install_all(session)
     session.env["PC_ADVERSARIAL_EXAMPLES"] = examples
-    _pytest(session, *[f"packages/{p}/tests" for p in PACKAGES], marker="adversarial")
+    # the examples count is this session's argument, not pytest's
+    session.run("pytest", *[f"packages/{p}/tests" for p in PACKAGES], "-m", "adversarial")
 
 
 @nox.session
