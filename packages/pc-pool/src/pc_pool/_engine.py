@@ -34,7 +34,7 @@ __all__ = [
     "unregister_pool",
 ]
 
-_log = logging.getLogger("pc_pool.pool")
+_log = logging.getLogger(__name__)
 WINDOW = 2  # chunks outstanding per worker: one running, one waiting in the pipe
 # A worker that answers fast gets a deeper window: as many chunks as it runs in about FAST_RTT seconds (by the
 # moving average of its service time), up to MAX_WINDOW. Tiny tasks then never wait for the parent's round

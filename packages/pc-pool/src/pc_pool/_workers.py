@@ -30,7 +30,7 @@ from pc_pool.worker import worker_main
 __all__ = ["WorkerSet"]
 
 
-_log = logging.getLogger("pc_pool.pool")
+_log = logging.getLogger(__name__)
 _MAX_BURST = 256  # messages read from one worker per wake-up, so a chatty worker cannot starve the others
 
 
