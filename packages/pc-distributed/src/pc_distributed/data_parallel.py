@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pc_distributed._checks import bool_flag, optional_timeout, positive_number
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed._transport import check_timeout
 from pc_distributed.dp_buckets import GradReducer, make_buckets
 from pc_distributed.dp_comm import CommLike, broadcast_tensors, check_replicas, resolve_group, to_timedelta
 from pc_distributed.dp_optimizer import DataParallelOptimizer
@@ -149,14 +149,12 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if not isinstance(blocking_parameter_updates, bool):
-            raise TypeError(
-                f"blocking_parameter_updates must be a bool, got {type(blocking_parameter_updates).__name__}"
-            )
-        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        timeout = check_timeout(timeout)  # the package's convention: None (or -1) is the group's timeout
+        bool_flag("blocking_parameter_updates", blocking_parameter_updates)
+        positive_number("bucket_cap_mb", bucket_cap_mb)
+        positive_number("first_bucket_cap_mb", first_bucket_cap_mb)
+        timeout = optional_timeout(
+            "timeout", timeout
+        )  # the package's convention: None (or -1) is the group's timeout
         optimizers = _as_optimizer_list(optimizer)
         group = resolve_group(comm)
 
