@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pc_pool._api import PoolFrontend
+from pc_pool._checks import optional_positive_int
 from pc_pool._collector import ResultThread
 from pc_pool._engine import (
     KILL_GRACE,
@@ -111,13 +112,7 @@ class BasePool(PoolFrontend):
         context: multiprocessing.context.BaseContext | None = None,
     ) -> None:
         processes = check_pool_args(processes, initializer)
-        if maxtasksperchild is not None:
-            if isinstance(maxtasksperchild, bool) or not isinstance(maxtasksperchild, int):
-                raise TypeError(
-                    f"maxtasksperchild must be an int or None, got {type(maxtasksperchild).__name__}"
-                )
-            if maxtasksperchild < 1:
-                raise ValueError(f"maxtasksperchild must be None or >= 1, got {maxtasksperchild}")
+        optional_positive_int("maxtasksperchild", maxtasksperchild)
         self._processes = processes
         self._engine = EngineState(processes, p2p=self._p2p)
         self._cache = self._engine.cache

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from pc_pool._checks import bool_flag
 from pc_pool.pool import BasePool
 from pc_pool.worker import CtxPoolStorage, proxy_ctx_caller
 
@@ -26,8 +27,7 @@ __all__ = ["CtxPool", "P2PPool", "Pool"]
 
 def _check_share(is_copy_tensor: bool, share_method: str | None) -> tuple[bool, str]:
     """Validate the tensor flags; return ``(copy, start_method)``."""
-    if not isinstance(is_copy_tensor, bool):
-        raise TypeError(f"is_copy_tensor must be a bool, got {type(is_copy_tensor).__name__}")
+    bool_flag("is_copy_tensor", is_copy_tensor)
     valid = (
         share_method is None
         or share_method in ("cpu", "cuda")

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pc_pool import _serial
+from pc_pool._checks import positive_int
 
 __all__ = ["MultiP2PQueue", "SimpleP2PQueue", "SimpleQueue"]
 
@@ -189,13 +190,13 @@ class MultiP2PQueue:
         copy_tensor: Copy tensors (``True``) or share them (``False``, default).
 
     Raises:
+        TypeError: ``queue_num`` is not an int.
         ValueError: ``queue_num < 1``.
     """
 
     def __init__(self, queue_num: int, *, copy_tensor: bool = False) -> None:
-        if isinstance(queue_num, bool) or not isinstance(queue_num, int) or queue_num < 1:
-            raise ValueError(f"queue_num must be an int >= 1, got {queue_num!r}")
-        self.queues = [SimpleP2PQueue(copy_tensor=copy_tensor) for _ in range(queue_num)]
+        count = positive_int("queue_num", queue_num)
+        self.queues = [SimpleP2PQueue(copy_tensor=copy_tensor) for _ in range(count)]
         self._next = 0
 
     def __getstate__(self) -> dict[str, Any]:
