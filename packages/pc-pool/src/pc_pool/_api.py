@@ -276,7 +276,7 @@ class PoolFrontend:
             chunksize: Size of the chunks sent to workers.
 
         Returns:
-            An :class:`~pc_pool.IMapIterator` when ``chunksize`` is 1, else a list of results (as in machin).
+            An :class:`~pc_pool.IMapIterator` when ``chunksize`` is 1, else a list of results.
             With ``chunksize=1``, an iterable other than a list, tuple or range is read lazily, as the stdlib
             does: the call returns at once (an endless generator works), at most ``8 * processes`` elements
             are read past the last result taken, and if the iterable raises, the results of the elements

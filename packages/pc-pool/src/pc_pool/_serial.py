@@ -19,7 +19,7 @@ import pc_pickle
 __all__ = ["collect_cuda_ipc", "dumps", "loads", "release", "release_all"]
 
 # Plain data (scalars in lists, tuples and dicts, as most chunks of arguments and results are) takes the C
-# pickle directly: pc_pickle's per-payload setup costs ~15 us against ~1 us, which dominates tiny tasks. A
+# pickle directly: pc_pickle's per-payload setup costs far more, which would dominate tiny tasks. A
 # one-byte marker tells loads() which decoder to use (pc_pickle payloads start with the PROTO opcode).
 _log = logging.getLogger(__name__)
 _PLAIN = b"\x00"

@@ -1,12 +1,12 @@
-"""The user-facing process pools: :class:`Pool`, :class:`P2PPool` and :class:`CtxPool` (machin's API).
+"""The user-facing process pools: :class:`Pool`, :class:`P2PPool` and :class:`CtxPool`.
 
-They configure :class:`~pc_pool.BasePool` from machin's flags:
+They configure :class:`~pc_pool.BasePool` from two flags:
 
 * ``is_copy_tensor=True`` (default): every tensor that crosses (arguments, results, closures, initargs,
   contexts) is copied; worker writes never show in the caller and caller tensors never move to shared memory.
 * ``is_copy_tensor=False``: tensors are shared; ``share_method`` must be ``"cpu"`` (shared memory) or
   ``"cuda"`` (CUDA IPC, ``"cuda:N"`` accepted).
-* Start method: ``share_method="cpu"`` forks (10 ms start-up; no CUDA in workers if the parent
+* Start method: ``share_method="cpu"`` forks (fast start-up; no CUDA in workers if the parent
   initialised it); everything else spawns. The sharing strategy of torch is never changed.
 """
 

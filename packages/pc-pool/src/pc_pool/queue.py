@@ -1,10 +1,10 @@
 """Inter-process queues over pipes: :class:`SimpleQueue`, :class:`SimpleP2PQueue` and :class:`MultiP2PQueue`.
 
-Items travel through pc_pickle, so lambdas and tensors cross; ``copy_tensor=False`` (the default, as in
-machin) shares tensors, ``True`` copies them. A queue is passed to child processes as a ``Process`` argument
+Items travel through pc_pickle, so lambdas and tensors cross; ``copy_tensor=False`` (the default)
+shares tensors, ``True`` copies them. A queue is passed to child processes as a ``Process`` argument
 (it pickles only while spawning).
 
-Waits and what ends them: ``get(timeout=None)`` waits until an item arrives (the seed's meaning), and also
+Waits and what ends them: ``get(timeout=None)`` waits until an item arrives, and also
 ends when
 
 * ``timeout`` seconds pass: ``multiprocessing.TimeoutError``;
@@ -128,7 +128,7 @@ class SimpleP2PQueue:
 class SimpleQueue(SimpleP2PQueue):
     """A many-to-many queue over one pipe: any number of senders and receivers, in any processes.
 
-    Unlike ``multiprocessing.SimpleQueue`` (and machin), ``get`` waits for data *without* holding the read
+    Unlike ``multiprocessing.SimpleQueue``, ``get`` waits for data *without* holding the read
     lock and takes the lock only to read a message that is ready, so a receiver killed while idle never blocks
     the others, and ``timeout`` bounds the whole call.
 
