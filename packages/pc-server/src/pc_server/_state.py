@@ -35,7 +35,7 @@ def get_pp_version(model: nn.Module) -> int:
 
 
 def set_pp_version(model: nn.Module, version: Any) -> None:
-    """Set ``model.pp_version`` (a plain attribute, as in machin)."""
+    """Set ``model.pp_version`` (a plain attribute)."""
     setattr(model, "pp_version", version)  # noqa: B010 - nn.Module.__setattr__ is typed for tensors and modules
 
 

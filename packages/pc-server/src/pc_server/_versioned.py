@@ -72,7 +72,7 @@ def check_version_depth(version_depth: object) -> int:
 
 
 def is_newer(head: Any, known: Any) -> bool:
-    """Whether ``head`` is newer than ``known`` by machin's rule (``known < head``; unordered types: ``!=``).
+    """Whether ``head`` is newer than ``known`` (``known < head``; unordered types: ``!=``).
 
     Args:
         head: The server's head version.

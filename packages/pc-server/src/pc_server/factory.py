@@ -135,8 +135,8 @@ def grad_server_helper(
     Every process of the world calls it. The first member (sorted) is the primary reducer of every server and
     manages a model made by the creator, with ``optimizer(model.parameters(), lr=learning_rate,
     **optimizer_kwargs)`` and, if given, ``lr_scheduler(optimizer, *lr_scheduler_args,
-    **lr_scheduler_kwargs)``; every member is a secondary reducer, and **every** reducer is started (machin
-    started only the primary, which stranded the gradients sent elsewhere).
+    **lr_scheduler_kwargs)``; every member is a secondary reducer, and **every** reducer is started (a
+    secondary that is not started would strand the gradients sent to it).
 
     Args:
         model_creators: Callables returning the managed models.
