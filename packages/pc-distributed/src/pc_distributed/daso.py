@@ -47,7 +47,7 @@ _DOWNCAST_TYPES = (torch.bfloat16, torch.half, torch.float)
 
 
 class DASO:
-    """Distributed Asynchronous and Selective Optimization over torch.distributed (heat's ``ht.optim.DASO``).
+    """Distributed Asynchronous and Selective Optimization over torch.distributed.
 
     Use it with :class:`~pc_distributed.DataParallelMultiGPU`, which runs ``DistributedDataParallel`` inside
     each node. Training has three phases: warm-up (a blocking global average after every batch), cycling (a
@@ -65,19 +65,19 @@ class DASO:
         comm: ``None``, a ``ProcessGroup`` or ``CollectiveGroup`` spanning the whole world.
         warmup_epochs: Epochs of blocking averaging at the start.
         cooldown_epochs: Epochs of blocking averaging at the end.
-        scheduler: Optional learning-rate scheduler (any object with ``step()``). As in heat, when given,
+        scheduler: Optional learning-rate scheduler (any object with ``step()``). When given,
             ``scheduler.step()`` is called **instead of** ``local_optimizer.step()`` (for schedulers that wrap
             the optimizer); step an ordinary scheduler yourself.
         stability_level: The relative loss improvement below which an epoch counts as "not improving".
-        max_global_skips: The largest number of batches between global exchanges (heat hard-coded 4 after
-            warm-up; here this value is used).
+        max_global_skips: The largest number of batches between global exchanges, also used for the
+            first cycling epoch after warm-up.
         sending_chunk_size: The largest number of elements per all_reduce of the global exchange.
         downcast_type: The dtype of the exchanged data: ``torch.bfloat16``, ``torch.half`` or ``torch.float``.
-        use_mpi_groups: Accepted for heat compatibility; it has no effect (torch.distributed groups are used).
+        use_mpi_groups: Accepted for compatibility; it has no effect (torch.distributed groups are used).
         skip_reduction_factor: Divisor of the skips on a plateau.
         local_skip_factor: After a reset, local skip and wait are ``max_global_skips // local_skip_factor``.
         verbose: Log the schedule at INFO level on global rank 0.
-        local_size: Processes per node (keyword only; not in heat). Default: ``LOCAL_WORLD_SIZE``, else the
+        local_size: Processes per node (keyword only). Default: ``LOCAL_WORLD_SIZE``, else the
             number of CUDA devices, else the whole world (one node). On one machine, ``local_size=2`` with 4
             processes simulates 2 nodes x 2.
         timeout: Seconds to wait for one exchange (keyword only), or ``None`` for the process group's timeout.
@@ -350,7 +350,7 @@ class DASO:
         )
 
     def print0(self, *args: Any) -> None:
-        """Log ``args`` at INFO level on global rank 0 when ``verbose`` is set (heat printed them)."""
+        """Log ``args`` at INFO level on global rank 0 when ``verbose`` is set."""
         if self.verbose and dist.get_rank() == 0:
             logger.info(" ".join(str(a) for a in args))
 

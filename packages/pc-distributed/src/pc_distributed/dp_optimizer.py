@@ -1,4 +1,4 @@
-"""heat's ``DataParallelOptimizer``: a torch optimizer whose step and zero_grad work with DataParallel."""
+"""``DataParallelOptimizer``: a torch optimizer whose step and zero_grad work with DataParallel."""
 
 from __future__ import annotations
 

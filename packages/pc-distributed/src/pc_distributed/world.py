@@ -10,7 +10,7 @@ barrier. A TCPStore client runs one request at a time, so the World keeps three 
 
 The World holds its groups and hands itself to them at creation (they see it through the ``GroupHost``
 protocol of ``_host`` and never import this module). Timeouts follow the package's convention
-(``_transport``): ``None`` is the World's default, ``-1`` the seed's name for it.
+(``_transport``): ``None`` is the World's default, ``-1`` another name for it.
 """
 
 from __future__ import annotations
@@ -330,7 +330,7 @@ class World:
         meets the other ranks) gets ``timeout`` plus ``STOP_STORE_MARGIN`` seconds, after which a store that
         does not answer (its host partitioned away, frozen or dead) is left behind with a ``RuntimeWarning``;
         RPC's shutdown always has a timeout (a dead peer must not hang it); a failed graceful shutdown warns
-        and falls back to a non-graceful one. docs/reliability.md has the measured bounds across hosts.
+        and falls back to a non-graceful one. docs/reliability.md has the bounds across hosts.
         Afterwards a new World may be created. While it waits for the other ranks, this process's other
         threads can still look up and call services (through group handles) and answer RPCs: the wait has a
         store connection of its own.
