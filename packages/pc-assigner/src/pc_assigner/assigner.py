@@ -1,14 +1,14 @@
-"""``ModelAssigner``: machin's API as a thin adapter over the pure solver.
+"""``ModelAssigner``: the original placement API as a thin adapter over the pure solver.
 
 ::
 
     devices, device_memory, device_speed ──> capacities (x max_mem_ratio), speeds, distances
     models (+ model_complexity) ──> sizes / FLOPs, merged into items where models share a storage
     model_connection ──> traffic between items
-                         └──> PlacementProblem(alpha, beta from machin's weights) ──> solve_placement
+                         └──> PlacementProblem(alpha, beta from the weights)    ──> solve_placement
                                                                                     └──> model.to(device)
 
-machin's weights keep their meaning: ``complexity_match_weight`` scales the makespan and ``connection_weight``
+The weights keep their meaning: ``complexity_match_weight`` scales the makespan and ``connection_weight``
 the communication, each divided by an instance constant so that neither depends on units: the perfectly
 balanced makespan ``T0 = sum(compute) / sum(speeds)`` and the traffic of a locality-blind placement
 ``C0 = sum(traffic) * mean distance between distinct devices``. A zero constant drops its term.
@@ -70,10 +70,10 @@ class ModelAssigner:
         device_speed: Relative throughput per device (mapping or list); default 1.0 per accelerator and
             ``cpu_weight`` for the CPU.
         model_complexity: Compute per model: numbers, or one tuple of example inputs per model, from which
-            forward + backward FLOPs are counted on the meta device. Default: the model size (machin's proxy).
+            forward + backward FLOPs are counted on the meta device. Default: the model size (a proxy).
         seed: Seed of the heuristic's restarts and of the gradient method's start.
         method: ``"auto"``, ``"exact"``, ``"bnb"``, ``"ilp"`` (needs scipy), ``"heuristic"``, ``"greedy"`` or
-            ``"gradient"`` (machin's surrogate, repaired to feasibility; not recommended).
+            ``"gradient"`` (a gradient surrogate, repaired to feasibility; not recommended).
 
     Raises:
         TypeError: for arguments of the wrong type.

@@ -130,12 +130,12 @@ def solve_placement(
             n > ``AUTO_BNB_MAX_N``, the heuristic too, and the better of the two), ``"bnb"`` (branch and bound
             alone, proven optimal unless the budget ran out), ``"exact"`` (exhaustive; ``ValueError`` above
             ``1e7`` placements), ``"ilp"`` (HiGHS; needs scipy), ``"heuristic"`` (greedy, local search,
-            seeded restarts), ``"greedy"`` (construction only) or ``"gradient"`` (machin's surrogate, then
+            seeded restarts), ``"greedy"`` (construction only) or ``"gradient"`` (a gradient surrogate, then
             repaired; not recommended).
         seed: Seed of the restarts and of the gradient start; the same seed gives the same result.
         restarts: Restart rounds of the heuristic (default ``4 n`` within [8, 64]).
         time_limit: Seconds the ILP may run (``"ilp"`` and the infeasibility fallback).
-        gradient_options: Keyword arguments of machin's surrogate for ``method="gradient"`` (``iterations``,
+        gradient_options: Keyword arguments of the surrogate for ``method="gradient"`` (``iterations``,
             ``update_rate``, ``connection_weight``, ``size_match_weight``, ``complexity_match_weight``,
             ``entropy_weight``, ``size_unit``).
         node_budget: Children branch and bound may bound before it gives up its proof (default
