@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pc_assigner._checks import int_at_least
 from pc_assigner._gd import optimize_placement as _optimize_placement
 from pc_assigner._inputs import DeviceLike, check_number, per_device, to_device
 from pc_assigner._items import check_memory, sizes_and_compute, storage_groups
@@ -119,8 +120,7 @@ class ModelAssigner:
                 raise TypeError(f"models[{i}] must be a torch.nn.Module, got {type(mdl).__name__}")
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
-            raise ValueError(f"iterations must be an int >= 0, got {iterations!r}")
+        int_at_least("iterations", iterations, 0)
         ratio = check_number("max_mem_ratio", max_mem_ratio, positive=True)
         if ratio > 1:
             raise ValueError(f"max_mem_ratio must be in (0, 1], got {max_mem_ratio!r}")
