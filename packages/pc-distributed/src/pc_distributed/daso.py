@@ -132,9 +132,7 @@ class DASO:
             raise ValueError(f"downcast_type must be one of {list(_DOWNCAST_TYPES)}, got {downcast_type}")
         bool_flag("use_mpi_groups", use_mpi_groups)
         bool_flag("verbose", verbose)
-        timeout = optional_timeout(
-            "timeout", timeout
-        )  # the package's convention: None (or -1) is the group's timeout
+        timeout = optional_timeout("timeout", timeout)  # None (or -1): the group's timeout
         group = resolve_group(comm)
         if group_size(group) != dist.get_world_size():
             raise ValueError(

@@ -152,9 +152,7 @@ class DataParallel(nn.Module):
         bool_flag("blocking_parameter_updates", blocking_parameter_updates)
         positive_number("bucket_cap_mb", bucket_cap_mb)
         positive_number("first_bucket_cap_mb", first_bucket_cap_mb)
-        timeout = optional_timeout(
-            "timeout", timeout
-        )  # the package's convention: None (or -1) is the group's timeout
+        timeout = optional_timeout("timeout", timeout)  # None (or -1): the group's timeout
         optimizers = _as_optimizer_list(optimizer)
         group = resolve_group(comm)
 
