@@ -297,7 +297,7 @@ def dp_errors_worker(rank: int) -> dict[str, Any]:
     dp.remove_hooks()
     # DASO argument checks (local) and the collective local_size check
     sgd = torch.optim.SGD(lin.parameters(), lr=0.1)
-    _expect(ValueError, lambda: DASO(sgd, total_epochs=0), "total_epochs must be >= 1")
+    _expect(ValueError, lambda: DASO(sgd, total_epochs=0), "total_epochs must be an int >= 1")
     _expect(ValueError, lambda: DASO(sgd, 3, downcast_type=torch.int8), "downcast_type")
     _expect(TypeError, lambda: DASO(sgd, 3, scheduler=object()), "step()")
     _expect(TypeError, lambda: DASO("sgd", 3), "torch.optim.Optimizer")  # type: ignore[arg-type]

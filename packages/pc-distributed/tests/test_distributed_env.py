@@ -8,9 +8,10 @@ import threading
 
 import pytest
 
+from pc_distributed._checks import optional_timeout
 from pc_distributed._env import check_name, resolve_world_spec
 from pc_distributed._errors import RankDiedError, RemoteTraceback, portable_exception, reraise_remote
-from pc_distributed._transport import check_timeout, is_timeout, resolve_timeout, transport_error
+from pc_distributed._transport import is_timeout, resolve_timeout, transport_error
 
 
 def test_defaults_to_a_one_process_loopback_world_on_a_free_port() -> None:
@@ -125,18 +126,18 @@ def test_addr_argument_wins_over_master_addr() -> None:
 
 
 def test_one_timeout_convention() -> None:
-    assert check_timeout(None) is None
-    assert check_timeout(-1) is None  # the seed's spelling of "the default"
-    assert check_timeout(2) == 2.0
+    assert optional_timeout("timeout", None) is None
+    assert optional_timeout("timeout", -1) is None  # another spelling of "the default"
+    assert optional_timeout("timeout", 2) == 2.0
     assert resolve_timeout(None, 60.0) == 60.0
     assert resolve_timeout(-1, 60.0) == 60.0
     assert resolve_timeout(0.5, 60.0) == 0.5
     for bad in (0, -2, float("nan")):
-        with pytest.raises(ValueError, match="timeout must be > 0 seconds"):
-            check_timeout(bad)
+        with pytest.raises(ValueError, match=r"timeout must be None \(the default\) or a positive"):
+            optional_timeout("timeout", bad)
     for bad in ("1", True):
         with pytest.raises(TypeError, match="timeout must be None"):
-            check_timeout(bad)
+            optional_timeout("timeout", bad)
 
 
 def test_transport_errors_are_classified_by_type_first() -> None:

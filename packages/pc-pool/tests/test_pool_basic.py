@@ -209,16 +209,16 @@ def test_pool_cannot_be_pickled(fork_pool: Pool) -> None:
 def test_pool_base_pool_defaults_to_spawn() -> None:
     assert pc_pool.BasePool.__init__.__defaults__ is not None
     # BasePool(context=None) must mean spawn; checked without starting workers via a bad argument.
-    with pytest.raises(ValueError, match="processes must be at least 1"):
+    with pytest.raises(ValueError, match="processes must be an int >= 1"):
         pc_pool.BasePool(0)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"processes": 0}, ValueError, "processes must be at least 1, got 0"),
+        ({"processes": 0}, ValueError, "processes must be an int >= 1, got 0"),
         ({"processes": "2"}, TypeError, "processes must be an int"),
-        ({"maxtasksperchild": 0}, ValueError, "maxtasksperchild must be None or >= 1, got 0"),
+        ({"maxtasksperchild": 0}, ValueError, "maxtasksperchild must be None or an int >= 1, got 0"),
         ({"maxtasksperchild": -1}, ValueError, "got -1"),
         ({"initializer": 3}, TypeError, "initializer must be callable"),
         ({"share_method": "gpu"}, ValueError, "share_method must be"),

@@ -65,7 +65,7 @@ def test_thread_pool_close_drains_and_validation() -> None:
     pool.close()
     pool.join(tu.T)
     assert r.get(tu.T) == list(range(20))
-    with pytest.raises(ValueError, match="processes must be at least 1"):
+    with pytest.raises(ValueError, match="processes must be an int >= 1"):
         ThreadPool(0)
     with pytest.raises(TypeError, match="initializer must be callable"):
         ThreadPool(1, initializer=3)

@@ -117,7 +117,7 @@ def test_issue14_primary_stopped_first_books_dropped_at_shutdown(caplog: pytest.
     assert _push_same_grads(client, 2) == [True] * 2  # '1' and '0' hold one each
     # the wrong order, without waiting for '1': the primary first (it drains its own secondary)
     impls["0"].stop(timeout=WAIT, secondaries_timeout=0)
-    with caplog.at_level(logging.WARNING, logger="pc_server.grad_server"):
+    with caplog.at_level(logging.WARNING, logger="pc_server"):
         impls["1"].stop(timeout=WAIT)
     assert "dropping a final bundle of 1 pushes" in caplog.text
     ledger = GradLedger.merge(impl.ledger() for impl in impls.values())
@@ -232,7 +232,7 @@ def test_pushes_queued_on_a_never_started_secondary_are_booked(caplog: pytest.Lo
     pushes = OneHot(2)
     pushes.w.grad = torch.ones(2, dtype=torch.float64)
     assert client.push(pushes) is True  # queued on "s", whose reducer never runs
-    with caplog.at_level(logging.WARNING, logger="pc_server.grad_server"):
+    with caplog.at_level(logging.WARNING, logger="pc_server"):
         secondary.stop(timeout=WAIT)
     assert "never started" in caplog.text
     primary.stop(timeout=WAIT)

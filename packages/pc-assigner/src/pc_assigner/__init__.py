@@ -1,6 +1,6 @@
 """Deterministic, memory-safe placement of PyTorch modules on devices.
 
-``ModelAssigner`` (machin's API) places models on devices under hard memory limits, minimising the slowest
+``ModelAssigner`` places models on devices under hard memory limits, minimising the slowest
 device's compute time plus communication; ``ModelSizeEstimator`` counts their bytes (every dtype, shared
 storage once) and, from example inputs, activations and FLOPs. The solver core is pure and usable on its own:
 ``PlacementProblem`` -> ``solve_placement`` -> ``PlacementResult``.

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+from pc_assigner._checks import int_at_least
 from pc_assigner._core import Compiled, identical_device_classes
 from pc_assigner._exact import _canonical_prefixes
 from pc_assigner._ilp import lp_relaxation
@@ -60,10 +61,10 @@ def hub_lower_bound(c: Compiled, hubs: int = 2) -> float:
 
     Raises:
         ImportError: if scipy is not installed.
+        TypeError: if ``hubs`` is not an int.
         ValueError: if ``hubs`` is negative, or no placement fits (every LP is infeasible).
     """
-    if isinstance(hubs, bool) or not isinstance(hubs, int) or hubs < 0:
-        raise ValueError(f"hubs must be an int >= 0, got {hubs!r}")
+    int_at_least("hubs", hubs, 0)
     base = lp_relaxation(c)
     if base is None:
         raise ValueError("no placement fits the memory limits: the LP relaxation is infeasible")

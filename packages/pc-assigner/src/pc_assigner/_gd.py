@@ -1,9 +1,9 @@
-"""machin's gradient-descent surrogate, kept for ``method="gradient"`` and for comparison.
+"""The original gradient-descent placement surrogate, kept for ``method="gradient"`` and for comparison.
 
 The surrogate optimises a softmax placement matrix against four soft terms (normalised traffic x distance, a
 relu of memory overflow, squared mismatch of compute share and device share, and entropy). It does not
 minimise the real cost and treats memory as soft, which is why ``method="gradient"`` repairs its argmax
-afterwards and is documented as not recommended. Unlike machin, every normaliser is guarded (no NaN for empty
+afterwards and is documented as not recommended. Every normaliser here is guarded (no NaN for empty
 traffic, one device or zero speeds) and the start is drawn from a local generator seeded by ``seed``.
 """
 
@@ -37,7 +37,7 @@ def optimize_placement(
     complexity_match_weight: float,
     entropy_weight: float,
 ) -> torch.Tensor:
-    """One optimizer step of machin's placement surrogate (n models, m devices); returns the surrogate loss.
+    """One optimizer step of the placement surrogate (n models, m devices); returns the surrogate loss.
 
     Args:
         optimizer: Optimizer over ``placement``.
@@ -90,20 +90,20 @@ def gradient_search(
     complexity: tuple[float, ...] | None = None,
     speeds: tuple[float, ...] | None = None,
 ) -> list[int]:
-    """Run machin's surrogate for ``iterations`` Adam steps and return the argmax (not repaired).
+    """Run the surrogate for ``iterations`` Adam steps and return the argmax (not repaired).
 
     Args:
         c: The compiled problem.
         seed: Seed of the starting logits (a local generator; the global RNG is untouched).
         iterations: Adam steps.
         update_rate: Adam learning rate.
-        connection_weight: machin's weight.
-        size_match_weight: machin's weight.
-        complexity_match_weight: machin's weight.
-        entropy_weight: machin's weight.
-        size_unit: Sizes and capacities are divided by this before the surrogate sees them (machin used MB;
+        connection_weight: Weight of the traffic term.
+        size_match_weight: Weight of the memory-overflow term.
+        complexity_match_weight: Weight of the compute-share term.
+        entropy_weight: Weight of the entropy term.
+        size_unit: Sizes and capacities are divided by this before the surrogate sees them (originally MB;
             the surrogate's result depends on the unit, one of its defects).
-        complexity: Per-item complexity the surrogate balances (machin used the sizes); default: item time on
+        complexity: Per-item complexity the surrogate balances (originally the sizes); default: item time on
             the fastest device.
         speeds: Per-device compute capacity the surrogate balances against; default 1.0 each.
 

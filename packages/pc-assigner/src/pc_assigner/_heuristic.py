@@ -17,7 +17,7 @@ from pc_assigner.problem import fits
 
 __all__ = ["default_restarts", "first_feasible", "greedy", "heuristic_search", "local_search", "repair"]
 
-_MAX_PASSES = 200  # a safety bound; local search converges long before on every instance we measured
+_MAX_PASSES = 200  # a safety bound; local search converges long before it in practice
 
 
 class _State:

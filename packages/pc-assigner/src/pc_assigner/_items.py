@@ -2,7 +2,8 @@
 
 Models that share a parameter or buffer storage must live on one device, so they become one item
 (:func:`storage_groups`); each item's bytes and compute come from :func:`sizes_and_compute`, and
-:func:`check_memory` rejects, in machin's words, a problem that cannot fit before any search starts.
+:func:`check_memory` rejects a problem that cannot fit before any search starts (with the original API's
+wording).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def check_memory(problem: PlacementProblem, groups: list[list[int]], devs: list[
     """Reject a problem whose items cannot fit in total, or with an item that fits on no device.
 
     Raises:
-        InfeasiblePlacementError: naming the shortfall in MiB, in machin's words.
+        InfeasiblePlacementError: naming the shortfall in MiB, with the original API's message.
     """
     usable = problem.eligible
     need = sum(problem.sizes)

@@ -1,14 +1,14 @@
-"""``ModelAssigner``: machin's API as a thin adapter over the pure solver.
+"""``ModelAssigner``: the original placement API as a thin adapter over the pure solver.
 
 ::
 
     devices, device_memory, device_speed ──> capacities (x max_mem_ratio), speeds, distances
     models (+ model_complexity) ──> sizes / FLOPs, merged into items where models share a storage
     model_connection ──> traffic between items
-                         └──> PlacementProblem(alpha, beta from machin's weights) ──> solve_placement
+                         └──> PlacementProblem(alpha, beta from the weights)    ──> solve_placement
                                                                                     └──> model.to(device)
 
-machin's weights keep their meaning: ``complexity_match_weight`` scales the makespan and ``connection_weight``
+The weights keep their meaning: ``complexity_match_weight`` scales the makespan and ``connection_weight``
 the communication, each divided by an instance constant so that neither depends on units: the perfectly
 balanced makespan ``T0 = sum(compute) / sum(speeds)`` and the traffic of a locality-blind placement
 ``C0 = sum(traffic) * mean distance between distinct devices``. A zero constant drops its term.
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pc_assigner._checks import int_at_least
 from pc_assigner._gd import optimize_placement as _optimize_placement
 from pc_assigner._inputs import DeviceLike, check_number, per_device, to_device
 from pc_assigner._items import check_memory, sizes_and_compute, storage_groups
@@ -70,10 +71,10 @@ class ModelAssigner:
         device_speed: Relative throughput per device (mapping or list); default 1.0 per accelerator and
             ``cpu_weight`` for the CPU.
         model_complexity: Compute per model: numbers, or one tuple of example inputs per model, from which
-            forward + backward FLOPs are counted on the meta device. Default: the model size (machin's proxy).
+            forward + backward FLOPs are counted on the meta device. Default: the model size (a proxy).
         seed: Seed of the heuristic's restarts and of the gradient method's start.
         method: ``"auto"``, ``"exact"``, ``"bnb"``, ``"ilp"`` (needs scipy), ``"heuristic"``, ``"greedy"`` or
-            ``"gradient"`` (machin's surrogate, repaired to feasibility; not recommended).
+            ``"gradient"`` (a gradient surrogate, repaired to feasibility; not recommended).
 
     Raises:
         TypeError: for arguments of the wrong type.
@@ -119,8 +120,7 @@ class ModelAssigner:
                 raise TypeError(f"models[{i}] must be a torch.nn.Module, got {type(mdl).__name__}")
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
-            raise ValueError(f"iterations must be an int >= 0, got {iterations!r}")
+        int_at_least("iterations", iterations, 0)
         ratio = check_number("max_mem_ratio", max_mem_ratio, positive=True)
         if ratio > 1:
             raise ValueError(f"max_mem_ratio must be in (0, 1], got {max_mem_ratio!r}")

@@ -8,7 +8,7 @@ __all__ = ["InfeasiblePlacementError"]
 class InfeasiblePlacementError(RuntimeError):
     """No placement keeps every device within its memory limit (or none was found, see ``proven``).
 
-    A ``RuntimeError``, as machin raised, so ``except RuntimeError`` keeps working.
+    A ``RuntimeError`` subclass, so ``except RuntimeError`` in existing code keeps working.
 
     Attributes:
         proven: ``True`` when infeasibility was proven (total demand above total capacity, an item larger

@@ -1,8 +1,8 @@
 """``ModelSizeEstimator``: memory (and, with example inputs, activations and FLOPs) of one module.
 
 Byte counts are exact: every unique storage of the parameters and buffers counts once with its true element
-size, whatever the dtype. Results are in MiB (2**20 bytes) as machin reported them; :meth:`requirements` gives
-the plain byte counts.
+size, whatever the dtype. Results are in MiB (2**20 bytes), as the API always reported them;
+:meth:`requirements` gives the plain byte counts.
 """
 
 from __future__ import annotations
@@ -49,12 +49,12 @@ class SizeRequirements:
 
 
 class ModelSizeEstimator:
-    """Size estimator for PyTorch modules (machin's API, exact for every dtype).
+    """Size estimator for PyTorch modules (exact for every dtype).
 
     Args:
         model: Module to be estimated.
         size_multiplier: :meth:`estimate_size` multiplies the parameter and buffer size by this, to reserve
-            room for gradients, optimizer state and inputs (machin's correction coefficient).
+            room for gradients, optimizer state and inputs (a correction coefficient).
         example_inputs: Optional tuple of positional inputs; enables :meth:`estimate_flops`,
             :meth:`estimate_activation_size` and :meth:`estimate_training_size` through a meta-device forward
             (the module itself is never moved or copied).
@@ -112,7 +112,7 @@ class ModelSizeEstimator:
         return self.buffer_bytes() / MIB
 
     def estimate_size(self) -> float:
-        """``(parameters + buffers) * size_multiplier`` in MiB, machin's estimate."""
+        """``(parameters + buffers) * size_multiplier`` in MiB, the original API's estimate."""
         return (self.parameter_bytes() + self.buffer_bytes()) * self.size_multiplier / MIB
 
     def _meta(self) -> MetaTrace:

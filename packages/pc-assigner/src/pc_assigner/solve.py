@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pc_assigner._bnb import DEFAULT_NODE_BUDGET, branch_and_bound
+from pc_assigner._checks import integer, optional_int_at_least, positive_seconds
 from pc_assigner._core import Compiled, compile_problem, identical_device_classes
 from pc_assigner._exact import EXACT_LIMIT, exact_search
 from pc_assigner._gd import gradient_search
@@ -130,12 +131,12 @@ def solve_placement(
             n > ``AUTO_BNB_MAX_N``, the heuristic too, and the better of the two), ``"bnb"`` (branch and bound
             alone, proven optimal unless the budget ran out), ``"exact"`` (exhaustive; ``ValueError`` above
             ``1e7`` placements), ``"ilp"`` (HiGHS; needs scipy), ``"heuristic"`` (greedy, local search,
-            seeded restarts), ``"greedy"`` (construction only) or ``"gradient"`` (machin's surrogate, then
+            seeded restarts), ``"greedy"`` (construction only) or ``"gradient"`` (a gradient surrogate, then
             repaired; not recommended).
         seed: Seed of the restarts and of the gradient start; the same seed gives the same result.
         restarts: Restart rounds of the heuristic (default ``4 n`` within [8, 64]).
         time_limit: Seconds the ILP may run (``"ilp"`` and the infeasibility fallback).
-        gradient_options: Keyword arguments of machin's surrogate for ``method="gradient"`` (``iterations``,
+        gradient_options: Keyword arguments of the surrogate for ``method="gradient"`` (``iterations``,
             ``update_rate``, ``connection_weight``, ``size_match_weight``, ``complexity_match_weight``,
             ``entropy_weight``, ``size_unit``).
         node_budget: Children branch and bound may bound before it gives up its proof (default
@@ -146,8 +147,9 @@ def solve_placement(
         The placement, its cost breakdown and whether it is proven optimal.
 
     Raises:
-        ValueError: for an unknown method, a bad seed/limit, or ``"exact"`` on more than 1e7 placements.
-        TypeError: if ``problem`` is not a :class:`PlacementProblem`.
+        ValueError: for an unknown method, a bad limit or count, or ``"exact"`` on more than 1e7 placements.
+        TypeError: if ``problem`` is not a :class:`PlacementProblem`, or a seed, limit or count has the wrong
+            type.
         ImportError: for ``"ilp"`` without scipy.
         InfeasiblePlacementError: if no placement fits (``proven`` tells whether that is certain).
 
@@ -161,16 +163,10 @@ def solve_placement(
         raise TypeError(f"problem must be a PlacementProblem, got {type(problem).__name__}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__} ({seed!r})")
-    if not time_limit > 0:
-        raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
-    if restarts is not None and (isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0):
-        raise ValueError(f"restarts must be None or an int >= 0, got {restarts!r}")
-    if node_budget is not None and (
-        isinstance(node_budget, bool) or not isinstance(node_budget, int) or node_budget < 1
-    ):
-        raise ValueError(f"node_budget must be None or an int >= 1, got {node_budget!r}")
+    integer("seed", seed)
+    positive_seconds("time_limit", time_limit)
+    optional_int_at_least("restarts", restarts, 0)
+    optional_int_at_least("node_budget", node_budget, 1)
     c = compile_problem(problem)
     _check_totals(problem, c)
     space = c.m**c.n

@@ -10,6 +10,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pc_distributed._checks import integer
+
 __all__ = ["WorldSpec", "check_name", "is_loopback", "resolve_world_spec", "uses_agent_store"]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]{1,127}$")
@@ -113,8 +115,7 @@ def resolve_world_spec(
     """
     env = os.environ if env is None else env
     for label, value in (("rank", rank), ("world_size", world_size)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{label} must be an int, got {type(value).__name__} {value!r}")
+        integer(label, value)
     if rank < 0:
         env_rank = _env_int(env, "RANK")
         rank = 0 if env_rank is None else env_rank

@@ -2,9 +2,9 @@
 
 **Timeouts.** Every ``timeout`` argument of pc-distributed means the same: ``None`` is the owner's default (an
 RPC call: the World's ``rpc_timeout``; a group barrier: the World's ``rpc_timeout``; ``irecv().wait``: the
-group's timeout; ``World.stop``: ``rpc_timeout``), any other value is a number of seconds > 0. The seed's
-spelling ``-1`` (machin's "the default") is accepted everywhere as another name for ``None``. No wait of the
-package is infinite by default.
+group's timeout; ``World.stop``: ``rpc_timeout``), any other value is a number of seconds > 0. ``-1`` is
+accepted everywhere as another name for ``None``, for code written against the original API. No wait of the
+package is infinite by default. The checks themselves live in :mod:`pc_distributed._checks`.
 
 **Transport errors.** Failures of the transport surface as ``TimeoutError`` or ``ConnectionError`` naming the
 peer, chained to torch's error. They are told apart by type where torch gives one (``TimeoutError``,
@@ -21,23 +21,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pc_distributed._checks import optional_timeout
+
 __all__ = [
     "CONNECTION_WORDS",
-    "DEFAULT",
     "TIMEOUT_WORDS",
     "chain_future",
     "check_call_args",
-    "check_timeout",
     "is_connection_loss",
     "is_timeout",
-    "positive_seconds",
     "resolve_timeout",
     "transport_error",
     "with_cause",
 ]
-
-# The seed's "use the default" value; accepted as a synonym of None.
-DEFAULT = -1
 
 # Fallback only: words of torch's RuntimeError texts for a timeout and for a lost connection.
 TIMEOUT_WORDS = ("timeout", "timed out")
@@ -56,47 +52,9 @@ CONNECTION_WORDS = (
 _DistNetworkError: type[BaseException] = getattr(dist, "DistNetworkError", ConnectionError)
 
 
-def positive_seconds(label: str, value: object) -> float:
-    """Check that ``value`` is a number of seconds > 0 and return it as a float.
-
-    Raises:
-        TypeError: If it is not a number.
-        ValueError: If it is not > 0.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{label} must be a number of seconds, got {type(value).__name__} {value!r}")
-    if not value > 0:
-        raise ValueError(f"{label} must be > 0 seconds, got {value!r}")
-    return float(value)
-
-
-def check_timeout(timeout: object) -> float | None:
-    """Validate a ``timeout`` argument: None (or the seed's -1) means the default, else seconds > 0.
-
-    Returns:
-        None for the default, else the seconds.
-
-    Raises:
-        TypeError: If it is not None or a number.
-        ValueError: If it is a number that is neither -1 nor > 0.
-    """
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(
-            f"timeout must be None (the default) or a number of seconds, got {type(timeout).__name__} "
-            f"{timeout!r}"
-        )
-    if timeout == DEFAULT:
-        return None
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, or None for the default, got {timeout!r}")
-    return float(timeout)
-
-
 def resolve_timeout(timeout: object, default: float) -> float:
-    """Seconds of a wait: ``timeout`` checked by :func:`check_timeout`, else ``default``."""
-    seconds = check_timeout(timeout)
+    """Seconds of a wait: ``timeout`` if it is not the default (``None`` or ``-1``), else ``default``."""
+    seconds = optional_timeout("timeout", timeout)
     return default if seconds is None else seconds
 
 

@@ -60,7 +60,7 @@ class CollectiveGroup(MultiGpuOps):
 
     def _check_rank(self, label: str, rank: object) -> int:
         if isinstance(rank, bool) or not isinstance(rank, int):
-            raise TypeError(f"{label} must be an int global rank, got {type(rank).__name__} {rank!r}")
+            raise TypeError(f"{label} must be an int global rank, got {rank!r} ({type(rank).__name__})")
         if rank not in self.ranks:
             raise ValueError(f"{label} must be a member's global rank {self.ranks}, got {rank}")
         return rank
@@ -186,8 +186,11 @@ def create_collective_group(
     if not members or len(set(members)) != len(members):
         raise ValueError(f"ranks must be non-empty and unique, got {list(ranks)}")
     for r in members:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world.world_size:
-            raise ValueError(f"ranks must be ints in [0, {world.world_size}), got {list(ranks)}")
+        what = f"ranks must be ints in [0, {world.world_size}), got {list(ranks)}"
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(what)
+        if not 0 <= r < world.world_size:
+            raise ValueError(what)
     seq = world.next_collective_seq()
     store, text = world.store, ",".join(map(str, members))
     store.set(f"cg/{seq}/{world.rank}", text)

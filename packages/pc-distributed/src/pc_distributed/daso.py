@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pc_distributed._checks import bool_flag, int_at_least, optional_timeout
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed._transport import check_timeout
 from pc_distributed.daso_exchange import Exchange, complete_exchange, flatten, staleness_merge, start_exchange
 from pc_distributed.daso_schedule import PlateauDetector, SkipState, next_skips, phase_of
 from pc_distributed.daso_topology import DasoTopology, build_topology, default_local_size
@@ -46,15 +46,8 @@ logger = logging.getLogger(__name__)
 _DOWNCAST_TYPES = (torch.bfloat16, torch.half, torch.float)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
 class DASO:
-    """Distributed Asynchronous and Selective Optimization over torch.distributed (heat's ``ht.optim.DASO``).
+    """Distributed Asynchronous and Selective Optimization over torch.distributed.
 
     Use it with :class:`~pc_distributed.DataParallelMultiGPU`, which runs ``DistributedDataParallel`` inside
     each node. Training has three phases: warm-up (a blocking global average after every batch), cycling (a
@@ -72,19 +65,19 @@ class DASO:
         comm: ``None``, a ``ProcessGroup`` or ``CollectiveGroup`` spanning the whole world.
         warmup_epochs: Epochs of blocking averaging at the start.
         cooldown_epochs: Epochs of blocking averaging at the end.
-        scheduler: Optional learning-rate scheduler (any object with ``step()``). As in heat, when given,
+        scheduler: Optional learning-rate scheduler (any object with ``step()``). When given,
             ``scheduler.step()`` is called **instead of** ``local_optimizer.step()`` (for schedulers that wrap
             the optimizer); step an ordinary scheduler yourself.
         stability_level: The relative loss improvement below which an epoch counts as "not improving".
-        max_global_skips: The largest number of batches between global exchanges (heat hard-coded 4 after
-            warm-up; here this value is used).
+        max_global_skips: The largest number of batches between global exchanges, also used for the
+            first cycling epoch after warm-up.
         sending_chunk_size: The largest number of elements per all_reduce of the global exchange.
         downcast_type: The dtype of the exchanged data: ``torch.bfloat16``, ``torch.half`` or ``torch.float``.
-        use_mpi_groups: Accepted for heat compatibility; it has no effect (torch.distributed groups are used).
+        use_mpi_groups: Accepted for compatibility; it has no effect (torch.distributed groups are used).
         skip_reduction_factor: Divisor of the skips on a plateau.
         local_skip_factor: After a reset, local skip and wait are ``max_global_skips // local_skip_factor``.
         verbose: Log the schedule at INFO level on global rank 0.
-        local_size: Processes per node (keyword only; not in heat). Default: ``LOCAL_WORLD_SIZE``, else the
+        local_size: Processes per node (keyword only). Default: ``LOCAL_WORLD_SIZE``, else the
             number of CUDA devices, else the whole world (one node). On one machine, ``local_size=2`` with 4
             processes simulates 2 nodes x 2.
         timeout: Seconds to wait for one exchange (keyword only), or ``None`` for the process group's timeout.
@@ -120,13 +113,13 @@ class DASO:
             raise TypeError(
                 f"local_optimizer must be a torch.optim.Optimizer, got {type(local_optimizer).__name__}"
             )
-        _check_int("total_epochs", total_epochs, 1)
-        _check_int("warmup_epochs", warmup_epochs, 0)
-        _check_int("cooldown_epochs", cooldown_epochs, 0)
-        _check_int("max_global_skips", max_global_skips, 0)
-        _check_int("sending_chunk_size", sending_chunk_size, 1)
-        _check_int("skip_reduction_factor", skip_reduction_factor, 1)
-        _check_int("local_skip_factor", local_skip_factor, 1)
+        int_at_least("total_epochs", total_epochs, 1)
+        int_at_least("warmup_epochs", warmup_epochs, 0)
+        int_at_least("cooldown_epochs", cooldown_epochs, 0)
+        int_at_least("max_global_skips", max_global_skips, 0)
+        int_at_least("sending_chunk_size", sending_chunk_size, 1)
+        int_at_least("skip_reduction_factor", skip_reduction_factor, 1)
+        int_at_least("local_skip_factor", local_skip_factor, 1)
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
             raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
         if not isinstance(stability_level, (int, float)) or isinstance(stability_level, bool):
@@ -137,10 +130,9 @@ class DASO:
             raise TypeError(f"downcast_type must be a torch.dtype, got {type(downcast_type).__name__}")
         if downcast_type not in _DOWNCAST_TYPES:
             raise ValueError(f"downcast_type must be one of {list(_DOWNCAST_TYPES)}, got {downcast_type}")
-        for name, flag in (("use_mpi_groups", use_mpi_groups), ("verbose", verbose)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        timeout = check_timeout(timeout)  # the package's convention: None (or -1) is the group's timeout
+        bool_flag("use_mpi_groups", use_mpi_groups)
+        bool_flag("verbose", verbose)
+        timeout = optional_timeout("timeout", timeout)  # None (or -1): the group's timeout
         group = resolve_group(comm)
         if group_size(group) != dist.get_world_size():
             raise ValueError(
@@ -148,7 +140,7 @@ class DASO:
                 f"{group_size(group)}"
             )
         size = default_local_size() if local_size is None else local_size
-        _check_int("local_size", size, 1)
+        int_at_least("local_size", size, 1)
 
         self.local_optimizer = local_optimizer
         self.total_epochs = total_epochs
@@ -356,7 +348,7 @@ class DASO:
         )
 
     def print0(self, *args: Any) -> None:
-        """Log ``args`` at INFO level on global rank 0 when ``verbose`` is set (heat printed them)."""
+        """Log ``args`` at INFO level on global rank 0 when ``verbose`` is set."""
         if self.verbose and dist.get_rank() == 0:
             logger.info(" ".join(str(a) for a in args))
 

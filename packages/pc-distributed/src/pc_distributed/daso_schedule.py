@@ -107,8 +107,8 @@ def next_skips(
 class PlateauDetector:
     """Says when a minimised metric stopped improving by a relative ``threshold`` for > ``patience`` epochs.
 
-    The rule of ``torch.optim.lr_scheduler.ReduceLROnPlateau`` (mode ``min``, relative threshold), which
-    heat's ``DetectMetricPlateau`` copies: a value improves if it is below ``best * (1 - threshold)``.
+    The rule of ``torch.optim.lr_scheduler.ReduceLROnPlateau`` (mode ``min``, relative threshold): a
+    value improves if it is below ``best * (1 - threshold)``.
 
     Args:
         patience: Epochs without improvement that are tolerated.

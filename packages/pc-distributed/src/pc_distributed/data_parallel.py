@@ -1,4 +1,4 @@
-"""heat-style ``DataParallel`` on torch.distributed groups: blocking and non-blocking (deferred) updates.
+"""``DataParallel`` on torch.distributed groups: blocking and non-blocking (deferred) updates.
 
 Construction (collective on every member of the group)::
 
@@ -7,7 +7,7 @@ Construction (collective on every member of the group)::
 Blocking mode: gradients are averaged in fixed-order buckets while ``backward()`` runs; when the last bucket
 arrives the averages are written into ``p.grad``, so ``optimizer.step()`` updates every replica identically.
 
-Non-blocking mode (heat's deferred, layer-by-layer update): each parameter-owning module's gradients form one
+Non-blocking mode (a deferred, layer-by-layer update): each parameter-owning module's gradients form one
 bucket whose reduction starts as soon as it is complete; ``optimizer.step()`` only marks a step as due. The
 next forward's pre-hook on each module waits for that module's reduction, steps the optimizer for its
 parameters only (optimizers skip ``None`` gradients) and clears them. What the forward did not reach is
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pc_distributed._checks import bool_flag, optional_timeout, positive_number
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed._transport import check_timeout
 from pc_distributed.dp_buckets import GradReducer, make_buckets
 from pc_distributed.dp_comm import CommLike, broadcast_tensors, check_replicas, resolve_group, to_timedelta
 from pc_distributed.dp_optimizer import DataParallelOptimizer
@@ -94,7 +94,7 @@ def _blocking_reason(
 
 
 class DataParallel(nn.Module):
-    """Data parallelism across the processes of a torch.distributed group (heat's ``ht.nn.DataParallel``).
+    """Data parallelism across the processes of a torch.distributed group.
 
     Every rank runs the same model on its own share of the data. Replicas start identical (parameters and
     buffers are broadcast from the group's first rank, so pretrained weights and RNG streams survive) and stay
@@ -112,7 +112,7 @@ class DataParallel(nn.Module):
         optimizer: A :class:`DataParallelOptimizer` (or a list/tuple of them) over the module's parameters. It
             is only declared ``None`` by default for Python's syntax; ``None`` raises ``TypeError``.
         blocking_parameter_updates: ``True``: average during ``backward()`` and step immediately. ``False``
-            (default): heat's non-blocking mode, which overlaps the reduction with the next forward. Several
+            (default): non-blocking mode, which overlaps the reduction with the next forward. Several
             optimizers, LBFGS or an optimizer over only part of the parameters fall back to blocking with a
             warning.
         broadcast_buffers: Re-broadcast buffers from the first rank before each training forward.
@@ -149,14 +149,10 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if not isinstance(blocking_parameter_updates, bool):
-            raise TypeError(
-                f"blocking_parameter_updates must be a bool, got {type(blocking_parameter_updates).__name__}"
-            )
-        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        timeout = check_timeout(timeout)  # the package's convention: None (or -1) is the group's timeout
+        bool_flag("blocking_parameter_updates", blocking_parameter_updates)
+        positive_number("bucket_cap_mb", bucket_cap_mb)
+        positive_number("first_bucket_cap_mb", first_bucket_cap_mb)
+        timeout = optional_timeout("timeout", timeout)  # None (or -1): the group's timeout
         optimizers = _as_optimizer_list(optimizer)
         group = resolve_group(comm)
 

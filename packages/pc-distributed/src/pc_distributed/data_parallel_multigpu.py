@@ -15,10 +15,10 @@ __all__ = ["DataParallelMultiGPU"]
 
 
 class DataParallelMultiGPU(nn.Module):
-    """Node-local data parallelism for :class:`~pc_distributed.DASO` (heat's ``ht.nn.DataParallelMultiGPU``).
+    """Node-local data parallelism for :class:`~pc_distributed.DASO`.
 
     At construction the replicas are made identical by broadcasting parameters and buffers from global rank 0
-    (heat re-seeded and reset them, losing pretrained weights), then the module is wrapped in
+    (so pretrained weights survive), then the module is wrapped in
     ``DistributedDataParallel`` over DASO's node-local group. It does no global synchronisation itself: DASO's
     :meth:`~pc_distributed.DASO.step` does. On batches where DASO skips the local synchronisation, the forward
     runs under ``DistributedDataParallel.no_sync()``.

@@ -1,4 +1,4 @@
-"""heat's ``DataParallelOptimizer``: a torch optimizer whose step and zero_grad work with DataParallel."""
+"""``DataParallelOptimizer``: a torch optimizer whose step and zero_grad work with DataParallel."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+
+from pc_distributed._checks import bool_flag
 
 __all__ = ["DataParallelOptimizer"]
 
@@ -44,10 +46,8 @@ class DataParallelOptimizer:
             raise TypeError(
                 f"torch_optimizer must be a torch.optim.Optimizer, got {type(torch_optimizer).__name__}"
             )
-        if not isinstance(blocking, bool):
-            raise TypeError(f"blocking must be a bool, got {type(blocking).__name__}")
         self.torch_optimizer = torch_optimizer
-        self.blocking_parameter_updates = blocking
+        self.blocking_parameter_updates = bool_flag("blocking", blocking)
         #: Non-blocking mode: a step is due and will be applied layer by layer in the next forward.
         self.update_next = False
         self._owner: _GradOwner | None = None

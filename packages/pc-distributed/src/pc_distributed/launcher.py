@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from pc_distributed import _torch_dist
+from pc_distributed._checks import positive_int, positive_seconds
 from pc_distributed._errors import (
     RankDiedError,
     add_note,
@@ -112,14 +113,6 @@ def _loopback_env() -> dict[str, str]:
     return env
 
 
-def _check_number(label: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{label} must be a number of seconds, got {type(value).__name__} {value!r}")
-    if not value > 0:
-        raise ValueError(f"{label} must be > 0, got {value!r}")
-    return float(value)
-
-
 def run_world(
     fn: Callable[..., Any],
     world_size: int,
@@ -183,12 +176,11 @@ def run_world(
         raise TypeError(
             f"fn must be picklable by reference (a module-level function), got {fn!r}: {exc}"
         ) from None
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    positive_int("world_size", world_size)
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple, got {type(args).__name__}")
-    timeout = _check_number("timeout", timeout)
-    grace_period = _check_number("grace_period", grace_period)
+    timeout = positive_seconds("timeout", timeout)
+    grace_period = positive_seconds("grace_period", grace_period)
     if start_method not in mp.get_all_start_methods():
         raise ValueError(f"start_method must be one of {mp.get_all_start_methods()}, got {start_method!r}")
     if start_method == "fork" and init_rpc and torch.cuda.is_available():
@@ -203,8 +195,8 @@ def run_world(
         "dist_backend": backend,
         "init_dist": bool(init_dist),
         "init_rpc": bool(init_rpc),
-        "dist_timeout": _check_number("dist_timeout", dist_timeout),
-        "rpc_timeout": _check_number("rpc_timeout", rpc_timeout),
+        "dist_timeout": positive_seconds("dist_timeout", dist_timeout),
+        "rpc_timeout": positive_seconds("rpc_timeout", rpc_timeout),
     }
     ctx: Any = mp.get_context(start_method)
     store = _torch_dist.master_store("127.0.0.1", 0, world_size, timeout)

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pc_distributed._checks import optional_timeout
 from pc_distributed._remote import MissingOnOwner, unwrap
-from pc_distributed._transport import check_timeout, transport_error
+from pc_distributed._transport import transport_error
 
 __all__ = ["RemoteRef"]
 
@@ -41,7 +42,7 @@ class RemoteRef:
             TimeoutError: If the value did not arrive in time.
             Exception: The remote exception, original type, remote traceback as ``__cause__``.
         """
-        seconds = check_timeout(timeout)
+        seconds = optional_timeout("timeout", timeout)
         try:
             envelope = self.rref.to_here() if seconds is None else self.rref.to_here(seconds)
         except (RuntimeError, OSError) as exc:

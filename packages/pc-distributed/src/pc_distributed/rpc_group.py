@@ -7,7 +7,7 @@ directory (``_rpc_directory``). The value or service itself lives only in the ow
 caller's thread, as a raw ``rpc_sync`` does).
 
 Keys may be any value whose ``repr`` is the same in every process (strings, ints, tuples of those).
-Timeouts follow the package's convention (``_transport``): ``None`` (or the seed's ``-1``) is the World's
+Timeouts follow the package's convention (``_transport``): ``None`` (or ``-1``) is the World's
 ``rpc_timeout``.
 """
 

@@ -10,7 +10,7 @@ barrier. A TCPStore client runs one request at a time, so the World keeps three 
 
 The World holds its groups and hands itself to them at creation (they see it through the ``GroupHost``
 protocol of ``_host`` and never import this module). Timeouts follow the package's convention
-(``_transport``): ``None`` is the World's default, ``-1`` the seed's name for it.
+(``_transport``): ``None`` is the World's default, ``-1`` another name for it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from pc_distributed import _torch_dist
 from pc_distributed._bounded import BoundedStore
+from pc_distributed._checks import int_in_range, positive_seconds
 from pc_distributed._env import check_name, resolve_world_spec
 from pc_distributed._host import clear_world, current_world, install_world
 from pc_distributed._interfaces import InterfaceEnv, check_interface
@@ -30,7 +31,7 @@ from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._rendezvous import Connection, connect, publish_name
 from pc_distributed._stop import STOP_STORE_MARGIN, leave_store
 from pc_distributed._store_waits import WaitStores
-from pc_distributed._transport import positive_seconds, resolve_timeout
+from pc_distributed._transport import resolve_timeout
 from pc_distributed.collective import CollectiveGroup, create_collective_group
 from pc_distributed.rpc_group import RpcGroup, create_rpc_group
 
@@ -209,11 +210,10 @@ class World:
         """The member name of ``rank``.
 
         Raises:
+            TypeError: If ``rank`` is not an int.
             ValueError: If ``rank`` is not in the world.
         """
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
-        return str(self._names[rank])
+        return str(self._names[int_in_range("rank", rank, self.world_size)])
 
     @property
     def groups(self) -> MappingProxyType[str, RpcGroup]:
@@ -330,7 +330,7 @@ class World:
         meets the other ranks) gets ``timeout`` plus ``STOP_STORE_MARGIN`` seconds, after which a store that
         does not answer (its host partitioned away, frozen or dead) is left behind with a ``RuntimeWarning``;
         RPC's shutdown always has a timeout (a dead peer must not hang it); a failed graceful shutdown warns
-        and falls back to a non-graceful one. docs/reliability.md has the measured bounds across hosts.
+        and falls back to a non-graceful one. docs/reliability.md has the bounds across hosts.
         Afterwards a new World may be created. While it waits for the other ranks, this process's other
         threads can still look up and call services (through group handles) and answer RPCs: the wait has a
         store connection of its own.

@@ -1,10 +1,9 @@
 """Large buffers backed by transparent huge pages: the copy path's one copy each way, without 4 KiB faults.
 
 A copy into fresh memory costs far more than the copy: every 4 KiB page faults in and is zeroed by the
-kernel first. On the 2-CPU VM the benchmarks run on, filling 100 MB of fresh memory took 150 ms against 24 ms
-for the same copy into memory already touched, and 38 ms after ``madvise(MADV_HUGEPAGE)`` (2 MiB pages: 512x
-fewer faults). Transparent huge pages are commonly enabled in ``madvise`` mode, so a buffer only gets them
-when asked; this module asks for the two big buffers of a copy round trip:
+kernel first; ``madvise(MADV_HUGEPAGE)`` (2 MiB pages: 512x fewer faults) removes most of that cost (the
+numbers are in docs/pickle.md, Performance). Transparent huge pages are commonly enabled in ``madvise``
+mode, so a buffer only gets them when asked; this module asks for the two big buffers of a copy round trip:
 
 * :func:`join` builds the payload ``bytes`` of :func:`pc_pickle.dumps` (a fresh, not yet touched bytes
   object, advised, then filled piece by piece) instead of ``b"".join``;

@@ -3,9 +3,9 @@ r"""The payload header: a length and a checksum that :func:`pc_pickle.loads` ver
 Why: the C unpickler trusts the stream. A one-byte change can name another module (``ModuleNotFoundError``),
 turn a length into garbage (``UnicodeDecodeError``, ``MemoryError``) or turn data into a ``LONG_BINPUT``
 whose memo index makes the unpickler zero-fill gigabytes before it fails (16 bytes per index: a 29-byte
-stream asked for 1.2 GB). Checking opcodes one by one in Python would cost more than unpickling them (about
-0.8 us against 0.07 us per opcode), so instead every payload carries its length and a CRC-32, checked at
-C speed before the unpickler sees a byte. A truncated, extended or changed payload is refused with a
+stream asked for 1.2 GB). Checking opcodes one by one in Python would cost about ten times more than
+unpickling them, so instead every payload carries its length and a CRC-32, checked at C speed before the
+unpickler sees a byte. A truncated, extended or changed payload is refused with a
 :class:`~pc_pickle.PayloadError` and nothing beyond the header is read.
 
 Layout (the header is a ``BINBYTES`` that the stream pops, so plain :func:`pickle.loads` still reads the

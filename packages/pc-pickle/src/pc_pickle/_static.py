@@ -28,7 +28,7 @@ def mark_static_module(module: types.ModuleType) -> None:
     example a global of a function pickled with ``recurse=True``) is written as its name and re-imported when
     loaded, so the module must be importable in the loading process.
 
-    The call is idempotent and does not modify the module (unlike machin, which deleted ``module.__file__``).
+    The call is idempotent and does not modify the module (``module.__file__`` stays).
 
     Args:
         module: The module object to mark.

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from pc_pool._checks import positive_int
 from pc_pool._input import READ_AHEAD_PER_WORKER, start_input_thread
 from pc_pool._protocol import MODE_APPLY, MODE_MAP, MODE_STAR
 from pc_pool.results import AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult
@@ -41,12 +42,6 @@ def default_chunksize(length: int, processes: int) -> int:
 def _check_func(func: Any) -> None:
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__}: {func!r}")
-
-
-def _check_chunksize(chunksize: Any) -> int:
-    if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1:
-        raise ValueError(f"chunksize must be an int >= 1, got {chunksize!r}")
-    return chunksize
 
 
 def _materialize(iterable: Iterable[Any]) -> list[Any]:
@@ -161,7 +156,7 @@ class PoolFrontend:
         size = (
             default_chunksize(len(items), self._processes)
             if chunksize is None
-            else _check_chunksize(chunksize)
+            else positive_int("chunksize", chunksize)
         )
         result = MapResult(_next_job_id(), self._cache, size, len(items), callback, error_callback)
         if items:
@@ -248,7 +243,7 @@ class PoolFrontend:
     ) -> IMapIterator | list[Any]:
         self._check_running()
         _check_func(func)
-        if _check_chunksize(chunksize) > 1:
+        if positive_int("chunksize", chunksize) > 1:
             return self.map(func, iterable, chunksize)
         if not isinstance(iterable, (list, tuple, range)):
             if not hasattr(iterable, "__iter__"):
@@ -281,7 +276,7 @@ class PoolFrontend:
             chunksize: Size of the chunks sent to workers.
 
         Returns:
-            An :class:`~pc_pool.IMapIterator` when ``chunksize`` is 1, else a list of results (as in machin).
+            An :class:`~pc_pool.IMapIterator` when ``chunksize`` is 1, else a list of results.
             With ``chunksize=1``, an iterable other than a list, tuple or range is read lazily, as the stdlib
             does: the call returns at once (an endless generator works), at most ``8 * processes`` elements
             are read past the last result taken, and if the iterable raises, the results of the elements

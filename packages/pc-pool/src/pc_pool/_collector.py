@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pc_pool import _serial
@@ -48,7 +48,7 @@ from pc_pool.errors import PoolTerminatedError, RemoteTraceback, WorkerDiedError
 
 __all__ = ["PoolHooks", "ResultThread"]
 
-_log = logging.getLogger("pc_pool.pool")
+_log = logging.getLogger(__name__)
 _MAX_UNREADY_DEATHS = 3  # consecutive deaths before "ready" that break the pool
 
 
@@ -199,7 +199,7 @@ class ResultThread:
         """
         chunks = list(w.outstanding)
         running = _running_chunk(chunks, unread_bytes(w.task_conn))
-        _release_all(c.sent_payloads for c in chunks if c.sent and c is not running)
+        _serial.release_all(c.sent_payloads for c in chunks if c.sent and c is not running)
         with contextlib.suppress(EOFError, OSError):
             while w.reader.readable():
                 self._discard(w.reader.recv())
@@ -296,7 +296,7 @@ class ResultThread:
             st.requeue(chunks)
             st.workers[w.index] = None
         self._workers.close(w)
-        _release_all(unread)  # re-dispatching dumps the chunks afresh
+        _serial.release_all(unread)  # re-dispatching dumps the chunks afresh
         if crashed and not w.ready:
             # Died before it was ready: killed during start-up, or an initializer that exits or crashes. Only
             # a run of such deaths with no ready worker in between breaks the pool (no respawn loop).
@@ -325,12 +325,6 @@ def _update_window(w: WorkerHandle, chunk: Chunk) -> None:
     w.service = took if w.service is None else 0.75 * w.service + 0.25 * took
     w.window = max(WINDOW, min(MAX_WINDOW, int(FAST_RTT / max(w.service, 1e-6))))
     w.refill = w.window // 2
-
-
-def _release_all(payload_groups: Iterable[tuple[bytes | None, ...]]) -> None:
-    for payloads in payload_groups:
-        for payload in payloads:
-            _serial.release(payload)
 
 
 def _running_chunk(chunks: list[Chunk], unread: int | None) -> Chunk | None:

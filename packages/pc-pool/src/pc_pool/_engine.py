@@ -18,6 +18,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from pc_pool._checks import positive_int
+
 __all__ = [
     "CLOSE_GRACE",
     "FAST_RTT",
@@ -34,7 +36,7 @@ __all__ = [
     "unregister_pool",
 ]
 
-_log = logging.getLogger("pc_pool.pool")
+_log = logging.getLogger(__name__)
 WINDOW = 2  # chunks outstanding per worker: one running, one waiting in the pipe
 # A worker that answers fast gets a deeper window: as many chunks as it runs in about FAST_RTT seconds (by the
 # moving average of its service time), up to MAX_WINDOW. Tiny tasks then never wait for the parent's round
@@ -70,10 +72,7 @@ def check_pool_args(processes: int | None, initializer: Callable[..., object] | 
     """
     if processes is None:
         processes = os.cpu_count() or 1
-    if isinstance(processes, bool) or not isinstance(processes, int):
-        raise TypeError(f"processes must be an int or None, got {type(processes).__name__}")
-    if processes < 1:
-        raise ValueError(f"processes must be at least 1, got {processes}")
+    positive_int("processes", processes)
     if initializer is not None and not callable(initializer):
         raise TypeError(f"initializer must be callable or None, got {type(initializer).__name__}")
     return processes

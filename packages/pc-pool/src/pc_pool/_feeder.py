@@ -228,7 +228,7 @@ class Feeder:
                 pass  # the worker died; its reaper re-dispatches the unsent chunks
             sent, unsent = ready[: len(sizes)], ready[len(sizes) :]
             if unsent and not self._copy_tensor:  # share handles nobody will load: give them back now
-                _release_all(unsent)
+                _serial.release_all((func_blob, payload) for _, func_blob, payload in unsent)
             if not sent:
                 return
             with st.cond:  # (lock order: send_lock, then cond, as the reaper takes them)
@@ -243,9 +243,3 @@ class Feeder:
                             chunk.sent_payloads = (func_blob, payload)
             w.sent_jobs.update(chunk.job.id for chunk, _, _ in sent)
             w.sent_jobs.difference_update(messages[0][0][4])
-
-
-def _release_all(ready: list[tuple[Chunk, bytes | None, bytes]]) -> None:
-    for _, func_blob, payload in ready:
-        _serial.release(func_blob)
-        _serial.release(payload)

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import logging
 import pickle
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 import pc_pickle
 
-__all__ = ["collect_cuda_ipc", "dumps", "loads", "release"]
+__all__ = ["collect_cuda_ipc", "dumps", "loads", "release", "release_all"]
 
 # Plain data (scalars in lists, tuples and dicts, as most chunks of arguments and results are) takes the C
-# pickle directly: pc_pickle's per-payload setup costs ~15 us against ~1 us, which dominates tiny tasks. A
+# pickle directly: pc_pickle's per-payload setup costs far more, which would dominate tiny tasks. A
 # one-byte marker tells loads() which decoder to use (pc_pickle payloads start with the PROTO opcode).
-_log = logging.getLogger("pc_pool")
+_log = logging.getLogger(__name__)
 _PLAIN = b"\x00"
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None), complex})
 _MAX_DEPTH = 3
@@ -92,6 +93,17 @@ def release(data: bytes | None) -> None:
         pc_pickle.release(data)
     except Exception:  # the producer is gone (its fds went with it), or it was loaded after all
         _log.debug("pc_pool: releasing an unloaded payload failed", exc_info=True)
+
+
+def release_all(payload_groups: Iterable[tuple[bytes | None, ...]]) -> None:
+    """:func:`release` every payload of every group (a chunk's function and arguments) nobody will load.
+
+    Used when chunks are dropped or re-dispatched after their share payloads were made: for a worker that died
+    with chunks in its pipe, and for chunks a feeder dumped but could not send.
+    """
+    for payloads in payload_groups:
+        for payload in payloads:
+            release(payload)
 
 
 def collect_cuda_ipc() -> None:

@@ -23,7 +23,7 @@ from pc_pool.errors import PoolTerminatedError
 
 __all__ = ["EngineState", "Wakeup"]
 
-_log = logging.getLogger("pc_pool.pool")
+_log = logging.getLogger(__name__)
 
 
 class Wakeup:

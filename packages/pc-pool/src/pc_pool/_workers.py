@@ -2,7 +2,7 @@
 
 :class:`WorkerSet` holds what starting a worker needs (the context, the worker hook, the initializer, the
 tensor mode) and a reference to the :class:`~pc_pool._state.EngineState` whose ``workers`` list it fills. It
-implements the default behaviour of the seed's hooks ``pool_inqueue_put`` (:meth:`send`),
+implements the default behaviour of the pool's hooks ``pool_inqueue_put`` (:meth:`send`),
 ``pool_outqueue_get`` (:meth:`wait_events`), ``repopulate_pool`` (:meth:`repopulate`), ``terminate_workers``
 and ``join_workers``; :class:`~pc_pool.BasePool` delegates those hooks here.
 """
@@ -30,7 +30,7 @@ from pc_pool.worker import worker_main
 __all__ = ["WorkerSet"]
 
 
-_log = logging.getLogger("pc_pool.pool")
+_log = logging.getLogger(__name__)
 _MAX_BURST = 256  # messages read from one worker per wake-up, so a chatty worker cannot starve the others
 
 

@@ -13,10 +13,10 @@
 deque of the chunk's worker). They never touch a pipe and never block except in ``get``/``next``/``wait``.
 
 **Feeder i** owns the write end of task pipe i. It keeps at most 2 chunks outstanding on worker i (while it
-answers fast, about 2 ms of its work, up to 32, written a half window per ``writev``), serializes each chunk
-when it dispatches it (so memory stays bounded and ``terminate`` leaves few unsent share handles) and is the
-only thread that writes to that pipe, so a full pipe stalls worker i only. A pickling error fails that chunk
-alone.
+answers fast, about ``FAST_RTT`` seconds of its work, up to 32, written a half window per ``writev``),
+serializes each chunk when it dispatches it (so memory stays bounded and ``terminate`` leaves few unsent share
+handles) and is the only thread that writes to that pipe, so a full pipe stalls worker i only. A pickling
+error fails that chunk alone.
 
 **The result thread** owns the read ends of all result pipes and starts every worker (so ``PR_SET_PDEATHSIG``,
 which follows the forking *thread*, fires only when the pool is gone). It blocks in
@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pc_pool._api import PoolFrontend
+from pc_pool._checks import optional_positive_int
 from pc_pool._collector import ResultThread
 from pc_pool._engine import (
     KILL_GRACE,
@@ -111,13 +112,7 @@ class BasePool(PoolFrontend):
         context: multiprocessing.context.BaseContext | None = None,
     ) -> None:
         processes = check_pool_args(processes, initializer)
-        if maxtasksperchild is not None:
-            if isinstance(maxtasksperchild, bool) or not isinstance(maxtasksperchild, int):
-                raise TypeError(
-                    f"maxtasksperchild must be an int or None, got {type(maxtasksperchild).__name__}"
-                )
-            if maxtasksperchild < 1:
-                raise ValueError(f"maxtasksperchild must be None or >= 1, got {maxtasksperchild}")
+        optional_positive_int("maxtasksperchild", maxtasksperchild)
         self._processes = processes
         self._engine = EngineState(processes, p2p=self._p2p)
         self._cache = self._engine.cache
@@ -150,7 +145,7 @@ class BasePool(PoolFrontend):
         self._feeder.start()
         register_pool(self)
 
-    # Read-only views kept for code (and tests) written against the seed's attributes.
+    # Read-only views kept for code (and tests) written against the original attribute names.
     @property
     def _state(self) -> PoolStates:
         return self._engine.state
@@ -160,7 +155,7 @@ class BasePool(PoolFrontend):
         return self._engine.workers
 
     # ========================================================================================================
-    # Overridable hooks (the seed's names; each delegates to the object that owns the concern)
+    # Overridable hooks (the original API's names; each delegates to the object that owns the concern)
     # ========================================================================================================
     def setup_queues(self) -> None:
         """Create the parent-side queues: the ready deques and the result thread's wakeup pipe.

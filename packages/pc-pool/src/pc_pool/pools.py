@@ -1,12 +1,12 @@
-"""The user-facing process pools: :class:`Pool`, :class:`P2PPool` and :class:`CtxPool` (machin's API).
+"""The user-facing process pools: :class:`Pool`, :class:`P2PPool` and :class:`CtxPool`.
 
-They configure :class:`~pc_pool.BasePool` from machin's flags:
+They configure :class:`~pc_pool.BasePool` from two flags:
 
 * ``is_copy_tensor=True`` (default): every tensor that crosses (arguments, results, closures, initargs,
   contexts) is copied; worker writes never show in the caller and caller tensors never move to shared memory.
 * ``is_copy_tensor=False``: tensors are shared; ``share_method`` must be ``"cpu"`` (shared memory) or
   ``"cuda"`` (CUDA IPC, ``"cuda:N"`` accepted).
-* Start method: ``share_method="cpu"`` forks (10 ms start-up; no CUDA in workers if the parent
+* Start method: ``share_method="cpu"`` forks (fast start-up; no CUDA in workers if the parent
   initialised it); everything else spawns. The sharing strategy of torch is never changed.
 """
 
@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from pc_pool._checks import bool_flag
 from pc_pool.pool import BasePool
 from pc_pool.worker import CtxPoolStorage, proxy_ctx_caller
 
@@ -26,8 +27,7 @@ __all__ = ["CtxPool", "P2PPool", "Pool"]
 
 def _check_share(is_copy_tensor: bool, share_method: str | None) -> tuple[bool, str]:
     """Validate the tensor flags; return ``(copy, start_method)``."""
-    if not isinstance(is_copy_tensor, bool):
-        raise TypeError(f"is_copy_tensor must be a bool, got {type(is_copy_tensor).__name__}")
+    bool_flag("is_copy_tensor", is_copy_tensor)
     valid = (
         share_method is None
         or share_method in ("cpu", "cuda")

@@ -1,10 +1,10 @@
 """Inter-process queues over pipes: :class:`SimpleQueue`, :class:`SimpleP2PQueue` and :class:`MultiP2PQueue`.
 
-Items travel through pc_pickle, so lambdas and tensors cross; ``copy_tensor=False`` (the default, as in
-machin) shares tensors, ``True`` copies them. A queue is passed to child processes as a ``Process`` argument
+Items travel through pc_pickle, so lambdas and tensors cross; ``copy_tensor=False`` (the default)
+shares tensors, ``True`` copies them. A queue is passed to child processes as a ``Process`` argument
 (it pickles only while spawning).
 
-Waits and what ends them: ``get(timeout=None)`` waits until an item arrives (the seed's meaning), and also
+Waits and what ends them: ``get(timeout=None)`` waits until an item arrives, and also
 ends when
 
 * ``timeout`` seconds pass: ``multiprocessing.TimeoutError``;
@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pc_pool import _serial
+from pc_pool._checks import positive_int
 
 __all__ = ["MultiP2PQueue", "SimpleP2PQueue", "SimpleQueue"]
 
@@ -149,7 +150,7 @@ class SimpleP2PQueue:
 class SimpleQueue(SimpleP2PQueue):
     """A many-to-many queue over one pipe: any number of senders and receivers, in any processes.
 
-    Unlike ``multiprocessing.SimpleQueue`` (and machin), ``get`` waits for data *without* holding the read
+    Unlike ``multiprocessing.SimpleQueue``, ``get`` waits for data *without* holding the read
     lock and takes the lock only to read a message that is ready, so a receiver killed while idle never blocks
     the others, and ``timeout`` bounds the whole call.
 
@@ -211,13 +212,13 @@ class MultiP2PQueue:
         copy_tensor: Copy tensors (``True``) or share them (``False``, default).
 
     Raises:
+        TypeError: ``queue_num`` is not an int.
         ValueError: ``queue_num < 1``.
     """
 
     def __init__(self, queue_num: int, *, copy_tensor: bool = False) -> None:
-        if isinstance(queue_num, bool) or not isinstance(queue_num, int) or queue_num < 1:
-            raise ValueError(f"queue_num must be an int >= 1, got {queue_num!r}")
-        self.queues = [SimpleP2PQueue(copy_tensor=copy_tensor) for _ in range(queue_num)]
+        count = positive_int("queue_num", queue_num)
+        self.queues = [SimpleP2PQueue(copy_tensor=copy_tensor) for _ in range(count)]
         self._next = 0
         self._turn = threading.Lock()  # the round-robin position, per process
 

@@ -3,7 +3,8 @@
 A handle is registered in its pool's job table (``cache``) under its job id and filled chunk by chunk by the
 pool's threads through ``_set(chunk_index, success, value)``; ``_fail(exc)`` fails whatever is still pending
 (``terminate()``). Callbacks run in the thread that completes the handle, *before* waiters wake (the stdlib
-order); a callback that raises is logged to ``logging.getLogger("pc_pool")`` and never breaks the pool.
+order); a callback that raises is logged to the ``pc_pool.results`` logger (a child of ``pc_pool``) and never
+breaks the pool.
 
 Waits and what ends them: ``get``, ``wait`` and ``next`` take a ``timeout`` (``multiprocessing.TimeoutError``
 reports an expired one); ``None`` (the default, the stdlib's meaning) waits for the result, and every failure
@@ -32,7 +33,7 @@ from typing import Any, Protocol
 
 __all__ = ["AsyncResult", "IMapIterator", "IMapUnorderedIterator", "MapResult"]
 
-_log = logging.getLogger("pc_pool")
+_log = logging.getLogger(__name__)
 
 
 class _Owner(Protocol):

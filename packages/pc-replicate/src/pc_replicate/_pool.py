@@ -1,7 +1,7 @@
 """Replica threads kept between forwards: a thread per replica without starting one per forward.
 
 Starting and joining a thread per replica was most of the fixed cost of a CPU-replica forward (the benchmark's
-"thread start/join" row: about 1.6 of 2.3 ms at 4 replicas on a loaded 2-core machine), and each new thread
+"thread start/join" row; docs/replicate.md has the profile), and each new thread
 also re-applied the intra-op thread setting. A :class:`ReplicaThreads` keeps its threads idle between calls::
 
     submit(work, report) ──► an idle thread (or a new one: a call never waits for a busy thread)

@@ -87,7 +87,7 @@ def _openmp_backend() -> bool:
 def _sync_intra_op_threads(num_threads: int) -> None:
     # With the OpenMP backend, a thread that did not call torch.set_num_threads itself runs its ops with the
     # OpenMP/MKL default (all cores), whatever the caller set: on 2 cores, two replica threads then start
-    # OpenMP teams whose spinning made a 2-replica step 20x slower than with the caller's setting (measured).
+    # OpenMP teams whose spinning made a 2-replica step many times slower (docs/replicate.md).
     # Re-applying the caller's (global) value in the worker is a no-op for every other thread. The native
     # backend keeps one global pool and warns on a second set_num_threads, so it is left alone.
     if getattr(_local, "num_threads", None) == num_threads:

@@ -1,13 +1,13 @@
-"""``Parallel``: run ``Parallelizable.forward_backward`` on items in worker threads (gluon-nlp's design).
+"""``Parallel``: run ``Parallelizable.forward_backward`` on items in worker threads.
 
-Two queues, as in gluon-nlp, plus error records and sequence numbers::
+Two queues plus error records and sequence numbers::
 
     put(x) ──(seq, x, state)──► in-queue ──► worker threads ──(seq, ok, value)──► out-queue ──► get()
       └── the first num_workers items run inline when serial_init ──────────────────┘
 
 Each item carries the caller's grad / inference / autocast state, captured at ``put``, and the CUDA device and
 current stream of its first CUDA tensor; the worker re-enters them. A worker catches everything, so a failing
-item becomes an error record that ``get`` re-raises (gluon-nlp lost it, and ``get`` then blocked forever).
+item becomes an error record that ``get`` re-raises (a lost error would leave ``get`` blocked forever).
 Workers are daemon threads that hold the queues and the parallelizable but never the ``Parallel`` itself, so a
 ``weakref.finalize`` stops them when the object is collected or the interpreter exits.
 """

@@ -1,7 +1,7 @@
 """A bounded batching queue for the reducer threads: wake on a full batch, a due deadline, or close.
 
 One ``threading.Condition`` guards the items, so a ``put`` between the consumer's check and its wait cannot be
-lost (machin's ``Event.set(); clear()`` pulse could), and the consumer sleeps exactly until the oldest item is
+lost (an ``Event.set(); clear()`` pulse could), and the consumer sleeps exactly until the oldest item is
 due instead of polling every 0.1 s. A batch handed to the consumer stays *held* by the queue until the
 consumer calls :meth:`BatchQueue.release`, so a checkpoint (:meth:`BatchQueue.pending`) sees every item the
 reducer has not finished with, and a failed reducer's :meth:`BatchQueue.drain` returns them too.

@@ -16,7 +16,7 @@ __all__ = ["GroupLike", "call_member", "call_service", "check_group", "check_nam
 
 @runtime_checkable
 class GroupLike(Protocol):
-    """What pc-server needs from a ``pc_distributed.RpcGroup`` (the seed's RpcGroup API)."""
+    """What pc-server needs from a ``pc_distributed.RpcGroup`` (the part of the RpcGroup API it uses)."""
 
     def register(self, key: str, service: Callable[..., Any]) -> Any:
         """Register ``service`` under ``key``; it runs on this process's live object."""

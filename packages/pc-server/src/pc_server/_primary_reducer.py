@@ -37,7 +37,7 @@ from pc_server.ordered_server import OrderedServerBase, OrderedServerSimpleImpl
 
 __all__ = ["PrimaryReducer"]
 
-logger = logging.getLogger("pc_server.grad_server")
+logger = logging.getLogger(__name__)
 
 
 class PrimaryReducer(ReducerRole[tuple[Forward, float]]):

@@ -5,8 +5,8 @@ element-wise *sum* of its gradients and how many pushes it holds. Secondaries re
 primary merges the partials of several secondaries, drops stale groups and finalises:
 
 * ``sum``:  Σ sums
-* ``mean``: Σ sums / Σ counts — weighted by pushes, so it is exact for partial batches too (machin's mean of
-  means was exact only for full batches).
+* ``mean``: Σ sums / Σ counts — weighted by pushes, so it is exact for partial batches too (a mean of
+  batch means would be exact only for full batches).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ __all__ = [
     "per_client",
 ]
 
-logger = logging.getLogger("pc_server.grad_server")
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

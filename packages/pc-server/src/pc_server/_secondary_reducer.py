@@ -35,7 +35,7 @@ from pc_server.ledger import LedgerBook
 
 __all__ = ["SecondaryReducer"]
 
-logger = logging.getLogger("pc_server.grad_server")
+logger = logging.getLogger(__name__)
 
 ForwardFn = Callable[[Forward | Done, float], int]
 

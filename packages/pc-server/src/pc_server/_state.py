@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pc_server._checks import integer
 from pc_server._packing import Packed, pack, unpack
 
 __all__ = ["check_model", "get_pp_version", "load_snapshot", "model_snapshot", "set_pp_version"]
@@ -30,13 +31,11 @@ def get_pp_version(model: nn.Module) -> int:
         TypeError: If ``pp_version`` is set to something other than an int.
     """
     version = getattr(model, "pp_version", 0)
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise TypeError(f"model.pp_version must be an int, got {version!r} ({type(version).__name__})")
-    return version
+    return integer("model.pp_version", version)
 
 
 def set_pp_version(model: nn.Module, version: Any) -> None:
-    """Set ``model.pp_version`` (a plain attribute, as in machin)."""
+    """Set ``model.pp_version`` (a plain attribute)."""
     setattr(model, "pp_version", version)  # noqa: B010 - nn.Module.__setattr__ is typed for tensors and modules
 
 

@@ -21,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
+from pc_server._checks import positive_int
+
 __all__ = ["PullResult", "PushResult", "VersionedStore", "check_version_depth", "is_newer"]
 
 
@@ -66,17 +68,11 @@ def check_version_depth(version_depth: object) -> int:
         TypeError: If it is not an int.
         ValueError: If it is smaller than 1.
     """
-    if isinstance(version_depth, bool) or not isinstance(version_depth, int):
-        raise TypeError(
-            f"version_depth must be an int >= 1, got {version_depth!r} ({type(version_depth).__name__})"
-        )
-    if version_depth < 1:
-        raise ValueError(f"version_depth must be an int >= 1, got {version_depth}")
-    return version_depth
+    return positive_int("version_depth", version_depth)
 
 
 def is_newer(head: Any, known: Any) -> bool:
-    """Whether ``head`` is newer than ``known`` by machin's rule (``known < head``; unordered types: ``!=``).
+    """Whether ``head`` is newer than ``known`` (``known < head``; unordered types: ``!=``).
 
     Args:
         head: The server's head version.

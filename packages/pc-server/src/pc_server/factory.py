@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pc_server._checks import positive_int
 from pc_server.grad_client import PushPullGradServer
 from pc_server.grad_server import STOP_TIMEOUT_S, PushPullGradServerImpl
 from pc_server.model_server import PushPullModelServer, PushPullModelServerImpl
@@ -95,11 +96,11 @@ def model_server_helper(
         A :class:`ServerTuple` of :class:`~pc_server.PushPullModelServer` accessors; empty on non-members.
 
     Raises:
+        TypeError: ``model_num`` is not an int.
         ValueError: ``model_num < 1`` or bad ``members``.
         RuntimeError: No World in this process.
     """
-    if isinstance(model_num, bool) or not isinstance(model_num, int) or model_num < 1:
-        raise ValueError(f"model_num must be an int >= 1, got {model_num!r}")
+    positive_int("model_num", model_num)
     world = _world()
     names = _members(world, members)
     if world.name not in names:
@@ -134,8 +135,8 @@ def grad_server_helper(
     Every process of the world calls it. The first member (sorted) is the primary reducer of every server and
     manages a model made by the creator, with ``optimizer(model.parameters(), lr=learning_rate,
     **optimizer_kwargs)`` and, if given, ``lr_scheduler(optimizer, *lr_scheduler_args,
-    **lr_scheduler_kwargs)``; every member is a secondary reducer, and **every** reducer is started (machin
-    started only the primary, which stranded the gradients sent elsewhere).
+    **lr_scheduler_kwargs)``; every member is a secondary reducer, and **every** reducer is started (a
+    secondary that is not started would strand the gradients sent to it).
 
     Args:
         model_creators: Callables returning the managed models.

@@ -41,9 +41,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 REDUCE_MASTER = 0
-"""Service level of a forward from a secondary reducer to the primary (machin's name, kept)."""
+"""Service level of a forward from a secondary reducer to the primary (a public compatibility name)."""
 REDUCE_SLAVE = 1
-"""Service level of a client push to a secondary reducer (machin's name, kept)."""
+"""Service level of a client push to a secondary reducer (a public compatibility name)."""
 LEDGER_LEVEL = 2
 """Service level of a ledger request (the reducer answers with its :class:`~pc_server.GradLedger`)."""
 

@@ -3,31 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import torch
 
+from pc_server._checks import optional_non_negative_int, optional_positive_seconds, positive_int
 from pc_server._group import GroupLike, check_name
 from pc_server._reduce import check_reduce_method
 
 __all__ = ["GradServerConfig"]
-
-
-def _check_positive_int(what: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int >= 1, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{what} must be an int >= 1, got {value}")
-    return value
-
-
-def _check_timeout(what: str, value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isnan(value):
-        raise ValueError(f"{what} must be a number > 0 or None, got {value!r}")
-    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,16 +98,13 @@ class GradServerConfig:
             TypeError: Wrong argument types.
             ValueError: Bad values, named in the message.
         """
-        batch = _check_positive_int("reduce_batch_size", reduce_batch_size)
-        queue = _check_positive_int("max_queue_size", max_queue_size)
+        batch = positive_int("reduce_batch_size", reduce_batch_size)
+        queue = positive_int("max_queue_size", max_queue_size)
         if queue < batch:
             raise ValueError(
                 f"max_queue_size ({max_queue_size}) must be >= reduce_batch_size ({reduce_batch_size})"
             )
-        if max_staleness is not None and (
-            isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
-        ):
-            raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
+        staleness = optional_non_negative_int("max_staleness", max_staleness)
         members = list(group.get_group_members())
         me = group.get_cur_name()
         primary = members[0] if primary_reducer is None else check_name("primary_reducer", primary_reducer)
@@ -154,6 +135,6 @@ class GradServerConfig:
             reduce_device=torch.device(reduce_device),
             reduce_batch_size=batch,
             max_queue_size=queue,
-            flush_timeout=_check_timeout("flush_timeout", flush_timeout),
-            max_staleness=max_staleness,
+            flush_timeout=optional_positive_seconds("flush_timeout", flush_timeout),
+            max_staleness=staleness,
         )

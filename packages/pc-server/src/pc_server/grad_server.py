@@ -82,9 +82,9 @@ class PushPullGradServerImpl:
         reduce_device: Where reductions run.
         reduce_batch_size: Items per reduction batch, at both levels.
         max_queue_size: Queue bound; beyond it the oldest items are dropped (counted, warned once).
-        flush_timeout: Seconds after which a partial batch is reduced anyway (``None``: never, as machin).
+        flush_timeout: Seconds after which a partial batch is reduced anyway (``None``: never).
         max_staleness: Drop gradients computed on a version more than this many steps behind the newest
-            (``None``: unbounded, as machin).
+            (``None``: unbounded).
 
     Raises:
         TypeError: Wrong argument types.
@@ -93,9 +93,9 @@ class PushPullGradServerImpl:
     """
 
     REDUCE_MASTER = REDUCE_MASTER
-    """Service level of a secondary-to-primary forward (machin's name)."""
+    """Service level of a secondary-to-primary forward (a public compatibility name)."""
     REDUCE_SLAVE = REDUCE_SLAVE
-    """Service level of a client-to-secondary push (machin's name)."""
+    """Service level of a client-to-secondary push (a public compatibility name)."""
 
     def __init__(
         self,

@@ -2,7 +2,7 @@
 
 A replica's forward is ``x ─► _LocalStats ─► (mean_k, M2_k) ─► master ─► (scale, shift) ─► _Normalize ─► y``.
 Written with composite torch ops, autograd recorded about a dozen full-size nodes per call (sub, square, sum,
-addcmul and their broadcasting backwards: 3-4x the CPU time of ``nn.BatchNorm2d``'s fused kernels, measured).
+addcmul and their broadcasting backwards: several times the CPU time of ``nn.BatchNorm2d``'s fused kernels).
 These two functions keep the full-size work to the minimum:
 
 - forward: one reduction for the mean, one subtraction (``centered``, saved once and shared by both nodes),

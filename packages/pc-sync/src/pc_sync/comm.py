@@ -158,9 +158,9 @@ class _SlavePipeBase(NamedTuple):
 class SlavePipe(_SlavePipeBase):
     """Pipe for master-slave communication: a slave's end of one :class:`SyncMaster`.
 
-    "Slave" is the seed's name for a non-master participant. The fields are ``identifier`` (the id given to
-    :meth:`SyncMaster.register_slave`), ``queue`` (shared by all slaves, read by the master) and ``result``
-    (this slave's :class:`FutureResult`).
+    "Slave" names a non-master participant (a public compatibility name). The fields are ``identifier``
+    (the id given to :meth:`SyncMaster.register_slave`), ``queue`` (shared by all slaves, read by the master)
+    and ``result`` (this slave's :class:`FutureResult`).
     """
 
     __slots__ = ()
@@ -195,14 +195,14 @@ class SyncMaster:
     """Gathers one message per slave, runs a callback on all of them and answers every slave.
 
     - During replication, every non-master copy calls :meth:`register_slave` and keeps the returned
-      :class:`SlavePipe`; the master copy keeps the ``SyncMaster`` ("master" and "slave" are the seed's
-      names).
+      :class:`SlavePipe`; the master copy keeps the ``SyncMaster`` ("master" and "slave" are kept as
+      public compatibility names).
     - During the forward, the master calls :meth:`run_master` and each slave :meth:`SlavePipe.run_slave`.
       ``master_callback`` receives ``[(0, master_msg), (id_1, msg_1), ...]`` with the slaves in registration
       order (so reductions are deterministic) and returns ``[(0, reply_0), (id_1, reply_1), ...]``: the
       master's own reply first, then exactly one reply per slave, in any order.
 
-    Registering after a round (or after an abort) starts a fresh registry, as in the seed. Pickling keeps only
+    Registering after a round (or after an abort) starts a fresh registry. Pickling keeps only
     the callback, so a deepcopy re-binds a bound-method callback to the copied object.
 
     Args:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from pc_sync._checks import positive_int
 from pc_sync._process_stats import group_size, reduce_across_processes
 from pc_sync.batchnorm import _local_stats, _SyncBNMixin, take_over_state
 from pc_sync.errors import DEFAULT_SYNC_TIMEOUT
@@ -93,8 +94,7 @@ class SyncBatchNorm(_SyncBNMixin, _BatchNormBase):
         bias: bool = True,
         sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
     ) -> None:
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
-            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        positive_int("num_features", num_features)
         super().__init__(
             num_features,
             eps,

@@ -1,0 +1,155 @@
+"""Argument checks shared by the package: one function per kind of argument, one message shape.
+
+A wrong type raises ``TypeError``, a value of the right type that is out of range raises ``ValueError``; a
+``bool`` is never taken for an int or a number. Every message reads ``"<name> must be <what>, got <value>"``,
+with the value's type added for a ``TypeError``. Each check returns the value (as a float for seconds).
+"""
+
+from __future__ import annotations
+
+from typing import TypeGuard
+
+__all__ = [
+    "DEFAULT",
+    "bool_flag",
+    "int_at_least",
+    "int_in_range",
+    "integer",
+    "non_negative_int",
+    "optional_timeout",
+    "positive_int",
+    "positive_number",
+    "positive_seconds",
+]
+
+# Another name for "the default" (``None``) that every ``timeout`` argument of the package accepts.
+DEFAULT = -1
+
+
+def _wrong_type(name: str, what: str, value: object) -> TypeError:
+    return TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+def _bad_value(name: str, what: str, value: object) -> ValueError:
+    return ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def integer(name: str, value: object) -> int:
+    """Check that ``value`` is an int (not a bool) and return it.
+
+    Raises:
+        TypeError: If it is not an int.
+    """
+    if not _is_int(value):
+        raise _wrong_type(name, "an int", value)
+    return value
+
+
+def int_at_least(name: str, value: object, minimum: int) -> int:
+    """Check that ``value`` is an int >= ``minimum`` and return it.
+
+    Raises:
+        TypeError: If it is not an int.
+        ValueError: If it is below ``minimum``.
+    """
+    what = f"an int >= {minimum}"
+    if not _is_int(value):
+        raise _wrong_type(name, what, value)
+    if value < minimum:
+        raise _bad_value(name, what, value)
+    return value
+
+
+def positive_int(name: str, value: object) -> int:
+    """Check that ``value`` is an int >= 1 and return it (see :func:`int_at_least`)."""
+    return int_at_least(name, value, 1)
+
+
+def non_negative_int(name: str, value: object) -> int:
+    """Check that ``value`` is an int >= 0 and return it (see :func:`int_at_least`)."""
+    return int_at_least(name, value, 0)
+
+
+def int_in_range(name: str, value: object, stop: int) -> int:
+    """Check that ``value`` is an int in ``[0, stop)`` (a rank, an index) and return it.
+
+    Raises:
+        TypeError: If it is not an int.
+        ValueError: If it is outside ``[0, stop)``.
+    """
+    what = f"an int in [0, {stop})"
+    if not _is_int(value):
+        raise _wrong_type(name, what, value)
+    if not 0 <= value < stop:
+        raise _bad_value(name, what, value)
+    return value
+
+
+def positive_number(name: str, value: object) -> float:
+    """Check that ``value`` is a number > 0 (NaN is not) and return it as a float.
+
+    Raises:
+        TypeError: If it is not an int or a float.
+        ValueError: If it is not > 0.
+    """
+    if not _is_number(value):
+        raise _wrong_type(name, "a number > 0", value)
+    if not value > 0:
+        raise _bad_value(name, "a number > 0", value)
+    return float(value)
+
+
+def positive_seconds(name: str, value: object) -> float:
+    """Check that ``value`` is a number of seconds > 0 (NaN is not) and return it as a float.
+
+    Raises:
+        TypeError: If it is not an int or a float.
+        ValueError: If it is not > 0.
+    """
+    what = "a positive number of seconds"
+    if not _is_number(value):
+        raise _wrong_type(name, what, value)
+    if not value > 0:
+        raise _bad_value(name, what, value)
+    return float(value)
+
+
+def optional_timeout(name: str, value: object) -> float | None:
+    """Check a ``timeout``-like argument: ``None`` (or :data:`DEFAULT`) for the default, else seconds > 0.
+
+    Returns:
+        None for the default, else the seconds as a float.
+
+    Raises:
+        TypeError: If it is neither None nor a number.
+        ValueError: If it is a number that is neither :data:`DEFAULT` nor > 0.
+    """
+    what = "None (the default) or a positive number of seconds"
+    if value is None:
+        return None
+    if not _is_number(value):
+        raise _wrong_type(name, what, value)
+    if value == DEFAULT:
+        return None
+    if not value > 0:
+        raise _bad_value(name, what, value)
+    return float(value)
+
+
+def bool_flag(name: str, value: object) -> bool:
+    """Check that ``value`` is a bool (not merely truthy) and return it.
+
+    Raises:
+        TypeError: If it is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise _wrong_type(name, "a bool", value)
+    return value
