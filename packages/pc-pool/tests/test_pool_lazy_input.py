@@ -62,12 +62,14 @@ def _take(it: Any, n: int) -> list[Any]:
     return [it.next(timeout=tu.T) for _ in range(n)]
 
 
+@pytest.mark.parametrize("chunksize", [1, 4])
 @pytest.mark.parametrize("form", FORMS)
 def test_imap_over_an_endless_iterable_yields_at_once_with_bounded_read_ahead(
-    own_pool: Any, form: str
+    own_pool: Any, form: str, chunksize: int
 ) -> None:
+    # any chunksize streams, as the stdlib's imap does (a chunksize > 1 once meant an eager map)
     source = Counting()
-    it = getattr(own_pool, form)(tu.ident, iter(source))
+    it = getattr(own_pool, form)(tu.ident, iter(source), chunksize=chunksize)
     first = _take(it, 5)
     assert source.produced <= 5 + 8 * own_pool.size()  # the documented read-ahead bound
     if form == "imap":
@@ -80,9 +82,12 @@ def test_imap_over_an_endless_iterable_yields_at_once_with_bounded_read_ahead(
     assert source.produced <= 25 + 8 * own_pool.size()
 
 
+@pytest.mark.parametrize("chunksize", [1, 4])
 @pytest.mark.parametrize("form", FORMS)
-def test_imap_yields_the_elements_before_the_iterable_fails_then_its_error(own_pool: Any, form: str) -> None:
-    it = getattr(own_pool, form)(tu.ident, iter(Counting(fail_at=3)))
+def test_imap_yields_the_elements_before_the_iterable_fails_then_its_error(
+    own_pool: Any, form: str, chunksize: int
+) -> None:
+    it = getattr(own_pool, form)(tu.ident, iter(Counting(fail_at=3)), chunksize=chunksize)
     got = _take(it, 3)
     assert sorted(got) == [0, 1, 2]
     with pytest.raises(KeyError, match="element 3"):

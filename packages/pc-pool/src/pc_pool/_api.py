@@ -2,8 +2,8 @@
 
 Subclasses provide ``_check_running()`` (raise ``ValueError("Pool not running")``), ``_submit(func, mode,
 chunks, result)`` (queue the chunks of one job), ``_processes`` and ``_cache``. ``map`` chunks like the stdlib
-(``chunksize = ceil(len / (4 * processes))``); ``imap``/``imap_unordered`` with ``chunksize > 1`` return a
-list (the compatible behaviour, see docs/pool.md). ``map`` and ``starmap`` read the whole iterable in the
+(``chunksize = ceil(len / (4 * processes))``); ``imap``/``imap_unordered`` return an iterator whatever
+``chunksize``. ``map`` and ``starmap`` read the whole iterable in the
 caller first, as the stdlib does (so an iterable that raises raises from the call itself); ``imap`` and
 ``imap_unordered`` with ``chunksize=1`` over anything but a list, tuple or range read it lazily in an input
 thread with bounded read-ahead (:mod:`pc_pool._input`) through the subclass hooks ``_open_job``,
@@ -240,11 +240,12 @@ class PoolFrontend:
     # -- imap ------------------------------------------------------------------------------------------------
     def _imap(
         self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int, cls: type[IMapIterator]
-    ) -> IMapIterator | list[Any]:
+    ) -> IMapIterator:
         self._check_running()
         _check_func(func)
-        if positive_int("chunksize", chunksize) > 1:
-            return self.map(func, iterable, chunksize)
+        # Every chunksize streams, as the stdlib's imap does: elements travel one per chunk (``chunksize`` is
+        # accepted and validated for compatibility; the read-ahead bound already batches the input).
+        positive_int("chunksize", chunksize)
         if not isinstance(iterable, (list, tuple, range)):
             if not hasattr(iterable, "__iter__"):
                 raise TypeError(f"iterable must be iterable, got {type(iterable).__name__}")
@@ -265,9 +266,7 @@ class PoolFrontend:
             self._submit(func, MODE_MAP, [[x] for x in items], result)
         return result
 
-    def imap(
-        self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1
-    ) -> IMapIterator | list[Any]:
+    def imap(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1) -> IMapIterator:
         """Like :meth:`map`, but yields results one at a time, in order.
 
         Args:
@@ -276,17 +275,17 @@ class PoolFrontend:
             chunksize: Size of the chunks sent to workers.
 
         Returns:
-            An :class:`~pc_pool.IMapIterator` when ``chunksize`` is 1, else a list of results.
-            With ``chunksize=1``, an iterable other than a list, tuple or range is read lazily, as the stdlib
-            does: the call returns at once (an endless generator works), at most ``8 * processes`` elements
-            are read past the last result taken, and if the iterable raises, the results of the elements
-            before come first, then ``next()`` raises its exception.
+            An :class:`~pc_pool.IMapIterator`, whatever ``chunksize``. An iterable other than a list, tuple
+            or range is read lazily, as the stdlib does: the call returns at once (an endless generator
+            works), at most ``8 * processes`` elements are read past the last result taken, and if the
+            iterable raises, the results of the elements before come first, then ``next()`` raises its
+            exception.
         """
         return self._imap(func, iterable, chunksize, IMapIterator)
 
     def imap_unordered(
         self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1
-    ) -> IMapIterator | list[Any]:
+    ) -> IMapIterator:
         """Like :meth:`imap`, but results come in completion order.
 
         Args:
@@ -295,8 +294,8 @@ class PoolFrontend:
             chunksize: Size of the chunks sent to workers.
 
         Returns:
-            An :class:`~pc_pool.IMapUnorderedIterator` when ``chunksize`` is 1, else a list of results. The
-            iterable is read lazily as by :meth:`imap`.
+            An :class:`~pc_pool.IMapUnorderedIterator`, whatever ``chunksize``. The iterable is read lazily
+            as by :meth:`imap`.
         """
         return self._imap(func, iterable, chunksize, IMapUnorderedIterator)
 
