@@ -64,8 +64,16 @@ def no_fd_leak(request: pytest.FixtureRequest) -> Iterator[None]:
     assert not leaked, f"file descriptors left open: {leaked}"
 
 
+def _target(fd: str) -> str | None:
+    """What descriptor ``fd`` points at, or None if another thread closed it since it was listed."""
+    try:
+        return os.path.realpath(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:
+        return None
+
+
 def _leaked(before: set[str]) -> dict[str, str]:
-    leaked = {fd: os.path.realpath(f"/proc/self/fd/{fd}") for fd in _open_fds() - before}
+    leaked = {fd: target for fd in _open_fds() - before if (target := _target(fd)) is not None}
     # The CUDA driver opens /dev/shm/cuda.shm.<...> on a process's first CUDA IPC call and keeps it for the
     # process's lifetime (its own bookkeeping, not a tensor's storage): not ours to close.
     return {
