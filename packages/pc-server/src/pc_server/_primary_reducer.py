@@ -283,14 +283,16 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        with self.health.cond:
-            self.version += 1
-        set_pp_version(model, self.version)
-        if not self._publish(self.version, self.version - 1):
+        new = self.version + 1
+        set_pp_version(model, new)
+        if not self._publish(new, new - 1):
             raise RuntimeError(
-                f"gradient server {self.config.server_name!r}: publishing version {self.version} of "
+                f"gradient server {self.config.server_name!r}: publishing version {new} of "
                 f"{self.config.model_name!r} was refused; another process writes the same key"
             )
+        with self.health.cond:  # only once published: a pull after wait_for_version sees this version
+            self.version = new
+            self.health.cond.notify_all()
 
     def _publish(self, version: int, prev: int | None) -> bool:
         if self.model is None:  # manage() sets it first; kept for the type checker
