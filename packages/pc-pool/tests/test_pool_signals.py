@@ -138,3 +138,32 @@ def test_pool_interpreter_exit_stops_live_pools(tmp_path: pathlib.Path, mode: st
         _assert_gone(pids, 5)
     finally:
         _cleanup(proc, pids)
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no per-thread signal masks on this platform")
+def test_pool_threads_block_sigint_from_their_first_instruction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pool-owned thread has SIGINT blocked before it runs any code, and the caller's mask is untouched.
+
+    A thread that blocked SIGINT only once it ran left a window (a loaded machine leaves it open for a while)
+    in which a Ctrl-C landed in it and the main thread's ``get()`` never saw it.
+    """
+    import threading
+
+    from pc_pool import Pool
+
+    masks: dict[str, set[int]] = {}
+    original_run = threading.Thread.run
+
+    def recording_run(self: threading.Thread) -> None:
+        if self.name.startswith("pc_pool-"):
+            masks[self.name] = set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        original_run(self)
+
+    monkeypatch.setattr(threading.Thread, "run", recording_run)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with Pool(2, share_method="cpu") as pool:
+        assert list(pool.imap(abs, iter([-1, -2, -3]), chunksize=1)) == [1, 2, 3]
+        assert set(signal.pthread_sigmask(signal.SIG_BLOCK, [])) == set(before)
+    assert {"pc_pool-results", "pc_pool-feeder-0", "pc_pool-feeder-1", "pc_pool-imap-input"} <= set(masks), masks
+    unblocked = [name for name, mask in masks.items() if signal.SIGINT not in mask]
+    assert not unblocked, f"threads that started with SIGINT deliverable: {unblocked}"

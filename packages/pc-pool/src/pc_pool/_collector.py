@@ -27,8 +27,8 @@ from pc_pool._engine import (
     TICK,
     WINDOW,
     PoolStates,
-    block_sigint_in_this_thread,
     now,
+    start_with_sigint_blocked,
 )
 from pc_pool._fdpass import installed_fds
 from pc_pool._protocol import (
@@ -89,7 +89,7 @@ class ResultThread:
     # -- control (any thread) --------------------------------------------------------------------------------
     def start(self, timeout: float) -> BaseException | None:
         """Start the thread; wait up to ``timeout`` s for the first workers; return why they did not start."""
-        self._thread.start()
+        start_with_sigint_blocked(self._thread)
         if not self._started.wait(timeout):
             return TimeoutError(f"pool workers did not start within {timeout} s")
         return self._start_error
@@ -109,10 +109,9 @@ class ResultThread:
 
     # -- the thread ------------------------------------------------------------------------------------------
     def _run(self, hooks: PoolHooks) -> None:
-        # Workers are forked from this thread and inherit its signal mask: with SIGINT blocked here, a Ctrl-C
-        # that lands between fork and the worker's SIG_IGN stays pending and is then discarded, instead of
-        # raising KeyboardInterrupt inside a half-started worker. The main thread still receives Ctrl-C.
-        block_sigint_in_this_thread()
+        # Started with SIGINT blocked; workers are forked from here and inherit the mask: a Ctrl-C that lands
+        # between fork and the worker's SIG_IGN stays pending and is then discarded, instead of raising
+        # KeyboardInterrupt inside a half-started worker. The main thread still receives Ctrl-C.
         st = self._state
         try:
             hooks.repopulate_pool()

@@ -29,7 +29,7 @@ __all__ = [
     "TICK",
     "WINDOW",
     "PoolStates",
-    "block_sigint_in_this_thread",
+    "start_with_sigint_blocked",
     "check_pool_args",
     "now",
     "register_pool",
@@ -78,17 +78,25 @@ def check_pool_args(processes: int | None, initializer: Callable[..., object] | 
     return processes
 
 
-def block_sigint_in_this_thread() -> None:
-    """Block SIGINT in the calling (pool-owned) thread.
+def start_with_sigint_blocked(thread: threading.Thread) -> None:
+    """Start a pool-owned ``thread`` with SIGINT blocked from its first instruction.
 
     The kernel delivers a process-directed SIGINT to any thread that does not block it. If it lands in a pool
     thread, Python only sets a flag there, and a main thread blocked in ``Event.wait(timeout)`` (``get()``)
-    does not see the Ctrl-C until its timeout ends. Blocking SIGINT in every thread the pool owns makes the
-    kernel pick the main thread, whose wait is then interrupted at once. Threads started from here (and
-    processes forked from here) inherit the mask.
+    does not see the Ctrl-C until its timeout ends. A thread inherits its creator's signal mask, so the mask is
+    set in the calling thread around ``start()`` and restored after: blocking inside the new thread would
+    leave a window, before it runs, in which a Ctrl-C could still land there. A Ctrl-C that arrives in the
+    caller meanwhile stays pending and is delivered when the mask is restored. Processes forked from such a
+    thread inherit the mask too.
     """
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    if not hasattr(signal, "pthread_sigmask"):
+        thread.start()
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def register_pool(pool: Any) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pc_pool import _serial
-from pc_pool._engine import TICK, PoolStates, block_sigint_in_this_thread, now
+from pc_pool._engine import TICK, PoolStates, now, start_with_sigint_blocked
 from pc_pool._protocol import EXIT
 from pc_pool._records import Chunk, Job, WorkerHandle
 from pc_pool._state import EngineState
@@ -69,7 +69,7 @@ class Feeder:
     def start(self) -> None:
         """Start one feeder thread per worker index."""
         for thread in self._threads:
-            thread.start()
+            start_with_sigint_blocked(thread)  # Ctrl-C must reach the main thread
 
     def join(self, timeout: float) -> None:
         """Wake the feeders and wait up to ``timeout`` seconds for each to exit (they exit once stopping)."""
@@ -112,7 +112,6 @@ class Feeder:
             st.cond.wait(TICK)
 
     def _feed(self, index: int, send: Callable[[tuple[int, tuple[Any, ...], bytes]], int]) -> None:
-        block_sigint_in_this_thread()  # Ctrl-C must reach the main thread (see the function's docstring)
         while True:
             with self._state.cond:
                 action = self._next_action(index)

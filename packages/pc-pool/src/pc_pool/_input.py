@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from pc_pool._engine import TICK, block_sigint_in_this_thread
+from pc_pool._engine import TICK, start_with_sigint_blocked
 
 __all__ = ["READ_AHEAD_PER_WORKER", "LazyResult", "start_input_thread"]
 
@@ -58,7 +58,7 @@ def start_input_thread(
     thread = threading.Thread(
         target=_read, args=(iterator, result, add, end, read_ahead), name="pc_pool-imap-input", daemon=True
     )
-    thread.start()
+    start_with_sigint_blocked(thread)
     return thread
 
 
@@ -69,7 +69,6 @@ def _read(
     end: Callable[[bool], None],
     read_ahead: int,
 ) -> None:
-    block_sigint_in_this_thread()
     count = 0
     error: BaseException | None = None
     cut_short = True  # the job was failed (terminate, a broken pool): its handle reports that, not an end
