@@ -140,7 +140,7 @@ def test_pool_interpreter_exit_stops_live_pools(tmp_path: pathlib.Path, mode: st
         _cleanup(proc, pids)
 
 
-@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no per-thread signal masks on this platform")
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no per-thread signal masks here")
 def test_pool_threads_block_sigint_from_their_first_instruction(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every pool-owned thread has SIGINT blocked before it runs any code, and the caller's mask is untouched.
 
@@ -164,6 +164,7 @@ def test_pool_threads_block_sigint_from_their_first_instruction(monkeypatch: pyt
     with Pool(2, share_method="cpu") as pool:
         assert list(pool.imap(abs, iter([-1, -2, -3]), chunksize=1)) == [1, 2, 3]
         assert set(signal.pthread_sigmask(signal.SIG_BLOCK, [])) == set(before)
-    assert {"pc_pool-results", "pc_pool-feeder-0", "pc_pool-feeder-1", "pc_pool-imap-input"} <= set(masks), masks
+    expected = {"pc_pool-results", "pc_pool-feeder-0", "pc_pool-feeder-1", "pc_pool-imap-input"}
+    assert expected <= set(masks), masks
     unblocked = [name for name, mask in masks.items() if signal.SIGINT not in mask]
     assert not unblocked, f"threads that started with SIGINT deliverable: {unblocked}"

@@ -29,10 +29,10 @@ __all__ = [
     "TICK",
     "WINDOW",
     "PoolStates",
-    "start_with_sigint_blocked",
     "check_pool_args",
     "now",
     "register_pool",
+    "start_with_sigint_blocked",
     "unregister_pool",
 ]
 
@@ -83,8 +83,8 @@ def start_with_sigint_blocked(thread: threading.Thread) -> None:
 
     The kernel delivers a process-directed SIGINT to any thread that does not block it. If it lands in a pool
     thread, Python only sets a flag there, and a main thread blocked in ``Event.wait(timeout)`` (``get()``)
-    does not see the Ctrl-C until its timeout ends. A thread inherits its creator's signal mask, so the mask is
-    set in the calling thread around ``start()`` and restored after: blocking inside the new thread would
+    does not see the Ctrl-C until its timeout ends. A thread inherits its creator's signal mask, so the mask
+    is set in the calling thread around ``start()`` and restored after: blocking inside the new thread would
     leave a window, before it runs, in which a Ctrl-C could still land there. A Ctrl-C that arrives in the
     caller meanwhile stays pending and is delivered when the mask is restored. Processes forked from such a
     thread inherit the mask too.
