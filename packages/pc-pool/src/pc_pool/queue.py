@@ -73,8 +73,30 @@ def _wait_item(readers: list[Connection], deadline: float | None, timeout: float
     raise EOFError(f"a watched process ended before an item arrived: {names}")
 
 
+def _take(reader: Connection, lock: Any, timeout: float | None, watch: Any) -> Any:
+    """Wait for a message on ``reader`` and read it under ``lock``, which is held only for a ready message.
+
+    ``lock`` (a thread lock, or a process lock for a many-to-many queue) is taken only once the pipe is
+    readable, so a receiver that waits, or dies while it waits, never keeps another from reading.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    watch = list(watch) if not isinstance(watch, (str, bytes)) and hasattr(watch, "__iter__") else watch
+    while True:
+        _wait_item([reader], deadline, timeout, watch)
+        left = _remaining(deadline)
+        if not lock.acquire(timeout=-1 if left is None else left):
+            raise _timeout_error(timeout)
+        try:
+            # Another receiver may have taken the message between our wait and the lock.
+            data = reader.recv_bytes() if reader.poll(0) else None
+        finally:
+            lock.release()
+        if data is not None:
+            return _serial.loads(data)
+
+
 class SimpleP2PQueue:
-    """A one-to-one queue (one sender process, one receiver process) over one pipe, without locks.
+    """A one-to-one queue (one sender process, one receiver process) over one pipe, with no process locks.
 
     Args:
         copy_tensor: Copy tensors (``True``) or share them (``False``, default).
@@ -126,20 +148,7 @@ class SimpleP2PQueue:
             EOFError: Every writer closed the queue, or a watched process ended before an item arrived.
             TypeError: ``watch`` holds something that is not a process, a sentinel or a connection.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        watch = list(watch) if not isinstance(watch, (str, bytes)) and hasattr(watch, "__iter__") else watch
-        while True:
-            _wait_item([self._reader], deadline, timeout, watch)
-            left = _remaining(deadline)
-            if not self._threads_get.acquire(timeout=-1 if left is None else left):
-                raise _timeout_error(timeout)
-            try:
-                # Another thread may have taken the message between our wait and the lock.
-                data = self._reader.recv_bytes() if self._reader.poll(0) else None
-            finally:
-                self._threads_get.release()
-            if data is not None:
-                return _serial.loads(data)
+        return _take(self._reader, self._threads_get, timeout, watch)
 
     @property
     def reader(self) -> Connection:
@@ -188,20 +197,7 @@ class SimpleQueue(SimpleP2PQueue):
             multiprocessing.TimeoutError: Nothing arrived within ``timeout``.
             EOFError: Every writer closed the queue, or a watched process ended before an item arrived.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        watch = list(watch) if not isinstance(watch, (str, bytes)) and hasattr(watch, "__iter__") else watch
-        while True:
-            _wait_item([self._reader], deadline, timeout, watch)
-            left = _remaining(deadline)
-            if not self._rlock.acquire(timeout=-1 if left is None else left):
-                raise _timeout_error(timeout)
-            try:
-                # Another receiver may have taken the message between our poll and the lock.
-                data = self._reader.recv_bytes() if self._reader.poll(0) else None
-            finally:
-                self._rlock.release()
-            if data is not None:
-                return _serial.loads(data)
+        return _take(self._reader, self._rlock, timeout, watch)
 
 
 class MultiP2PQueue:
