@@ -15,7 +15,6 @@ import datetime
 import decimal
 import fractions
 import math
-import os
 import socket
 import uuid
 from collections.abc import Callable
@@ -24,35 +23,12 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import pc_pickle
 
 pytestmark = pytest.mark.adversarial
-
-EXAMPLES = int(os.environ.get("PC_ADVERSARIAL_EXAMPLES", "30"))
-_SEED = os.environ.get("PC_ADVERSARIAL_SEED")
-SETTINGS = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=_SEED is None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-
-
-def adversarial(test: Callable[..., None]) -> Callable[..., None]:
-    """Apply the suite's settings, and ``PC_ADVERSARIAL_SEED`` when it is set."""
-    test = SETTINGS(test)
-    return seed(int(_SEED))(test) if _SEED is not None else test
-
-
-@pytest.fixture(autouse=True)
-def _print_seed() -> None:
-    """Shown with a failing test's captured output: how to run the same examples again."""
-    how = f"seed {_SEED}" if _SEED is not None else "derandomized (seeded by the test's name)"
-    print(f"pc adversarial: {EXAMPLES} examples, {how}; PC_ADVERSARIAL_SEED=N explores others")
 
 
 # -- the standard library's values ---------------------------------------------------------------------------
@@ -94,7 +70,6 @@ def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 graphs = st.recursive(_hashable, _containers, max_leaves=20)
 
 
-@adversarial
 @given(graphs)
 def test_standard_library_graphs_round_trip(obj: Any) -> None:
     out = pc_pickle.loads(pc_pickle.dumps(obj))
@@ -146,7 +121,6 @@ def tensors(draw: st.DrawFn) -> dict[str, Any]:
     return out
 
 
-@adversarial
 @given(tensors(), st.booleans())
 def test_tensors_of_every_kind_round_trip_with_aliasing(graph: dict[str, Any], copy_tensor: bool) -> None:
     payload = pc_pickle.dumps(graph, copy_tensor=copy_tensor)
@@ -206,7 +180,6 @@ def data_file(tmp_path: Path) -> Path:
 def test_file_handles_anywhere_are_refused_with_their_path(data_file: Path, mode: str) -> None:
     with open(data_file, mode) as handle:
 
-        @adversarial
         @given(placed(handle), st.booleans())
         def check(obj: Any, read_files: bool) -> None:
             readable_only = mode in ("r", "rb")
@@ -223,7 +196,6 @@ def test_file_handles_anywhere_are_refused_with_their_path(data_file: Path, mode
 
 
 def test_read_only_handles_reopen_at_their_position(data_file: Path) -> None:
-    @adversarial
     @given(st.integers(0, 10), st.sampled_from(["r", "rb"]))
     def check(position: int, mode: str) -> None:
         with open(data_file, mode) as handle:
@@ -240,7 +212,6 @@ def test_read_only_handles_reopen_at_their_position(data_file: Path) -> None:
 def test_sockets_anywhere_are_refused_with_their_path() -> None:
     with socket.socket() as sock:
 
-        @adversarial
         @given(placed(sock), st.booleans())
         def check(obj: Any, read_files: bool) -> None:
             with pytest.raises(pc_pickle.UnpicklableObjectError, match="outside the process") as info:
@@ -251,7 +222,6 @@ def test_sockets_anywhere_are_refused_with_their_path() -> None:
 
 
 def test_fractions_and_decimals_keep_their_exact_value() -> None:
-    @adversarial
     @given(st.fractions(), st.decimals(allow_nan=False, allow_infinity=False))
     def check(f: fractions.Fraction, d: decimal.Decimal) -> None:
         out = pc_pickle.loads(pc_pickle.dumps((f, d)))

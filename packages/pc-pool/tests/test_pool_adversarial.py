@@ -12,44 +12,21 @@ from __future__ import annotations
 
 import itertools
 import operator
-import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pool_testutils as tu
 import pytest
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import pc_pool
 
 pytestmark = pytest.mark.adversarial
 
-EXAMPLES = int(os.environ.get("PC_ADVERSARIAL_EXAMPLES", "15"))
-_SEED = os.environ.get("PC_ADVERSARIAL_SEED")
-SETTINGS = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=_SEED is None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
 READ_AHEAD_PER_WORKER = 8  # the documented bound of imap's read-ahead
 GUARD = 10_000  # an endless iterable read this far was read eagerly (keeps a regression from eating memory)
-
-
-def adversarial(test: Callable[..., None]) -> Callable[..., None]:
-    """Apply the suite's settings, and ``PC_ADVERSARIAL_SEED`` when it is set."""
-    test = SETTINGS(test)
-    return seed(int(_SEED))(test) if _SEED is not None else test
-
-
-@pytest.fixture(autouse=True)
-def _print_seed() -> None:
-    """Shown with a failing test's captured output: how to run the same examples again."""
-    how = f"seed {_SEED}" if _SEED is not None else "derandomized (seeded by the test's name)"
-    print(f"pc adversarial: {EXAMPLES} examples, {how}; PC_ADVERSARIAL_SEED=N explores others")
 
 
 class IterableError(Exception):
@@ -124,7 +101,6 @@ def _drain(it: Any) -> tuple[list[Any], BaseException | None]:
 _items = st.lists(st.integers(-1000, 1000), max_size=30)
 
 
-@adversarial
 @given(
     items=_items,
     shape=st.sampled_from(["list", "tuple", "generator", "iterator"]),
@@ -145,7 +121,6 @@ def test_finite_iterables_give_the_serial_result(pool: Any, items: list[int], sh
     )
 
 
-@adversarial
 @given(
     items=_items,
     error=st.sampled_from(ERRORS),
@@ -161,7 +136,6 @@ def test_imap_over_a_failing_iterable_yields_the_prefix_then_its_error(
     assert type(exc) is error
 
 
-@adversarial
 @given(items=_items, error=st.sampled_from(ERRORS), form=st.sampled_from(["map", "map_async", "starmap"]))
 def test_map_over_a_failing_iterable_raises_its_error(
     pool: Any, items: list[int], error: type[BaseException], form: str
@@ -175,7 +149,6 @@ def test_map_over_a_failing_iterable_raises_its_error(
         call()
 
 
-@adversarial
 @given(
     prefix=_items,
     take=st.integers(1, 40),

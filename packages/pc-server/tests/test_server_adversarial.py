@@ -11,7 +11,6 @@ derandomized (the same examples on every run, for CI) and bounded; a failure pri
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import pytest
@@ -27,10 +26,6 @@ from pc_server import PushPullGradServerImpl, ReducerStoppedError
 pytestmark = pytest.mark.adversarial
 
 WAIT = 30.0
-# nox -s adversarial raises the number of examples (PC_ADVERSARIAL_EXAMPLES); derandomized: the same
-# examples every run, and hypothesis prints the falsifying one with its reproduction blob.
-EXAMPLES = int(os.environ.get("PC_ADVERSARIAL_EXAMPLES", "20"))
-BOUNDED = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, print_blob=True)
 
 OPS = st.lists(
     st.sampled_from(["push", "push", "save", "load", "load_again", "restore", "run"]), min_size=1, max_size=14
@@ -141,7 +136,6 @@ class Run:
             server.stop(timeout=WAIT)
 
 
-@BOUNDED
 @given(ops=OPS)
 def test_checkpoint_sequences_match_the_serial_model(ops: list[str]) -> None:
     run = Run()
@@ -154,7 +148,7 @@ def test_checkpoint_sequences_match_the_serial_model(ops: list[str]) -> None:
         run.close()
 
 
-@settings(max_examples=max(1, EXAMPLES * 2 // 5), deadline=None, derandomize=True, print_blob=True)
+@settings(max_examples=max(1, settings.default.max_examples * 2 // 5))  # each example runs threads
 @given(
     threads=st.integers(2, 4),
     pushes=st.integers(1, 25),
