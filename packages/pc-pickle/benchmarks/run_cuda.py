@@ -26,7 +26,7 @@ import torch
 from benchlib import Report, bench_args, interleaved_min
 
 import pc_pickle
-from pc_pickle import _tensors
+from pc_pickle import _device_copy
 
 _PAGE = 4096
 
@@ -154,7 +154,7 @@ def main() -> None:
     torch.cuda.synchronize()
     extra, payload, how = peak_extra_bytes(lambda: pc_pickle.dumps(big))
     payload_bytes: bytes = payload
-    pool = _tensors.staging_pool().bound_bytes
+    pool = _device_copy.staging_pool().bound_bytes
     report.row(f"(cuda) {mb} MB dumps: peak host memory", "pc_pickle", extra / 1e6, unit="MB")
     report.target(
         f"(cuda) {mb} MB dumps peak host memory (bound: 1.1x the tensor + the {pool >> 20} MiB pool)",

@@ -19,7 +19,7 @@ import torch
 from pickle_staging_testutils import CountingAllocator, DoneEvent
 
 import pc_pickle
-from pc_pickle import _staging, _tensors
+from pc_pickle import _device_copy, _staging, _tensors
 from pc_pickle._staging import BufferPool
 
 
@@ -28,9 +28,9 @@ from pc_pickle._staging import BufferPool
 def cpu_staging(monkeypatch: pytest.MonkeyPatch) -> Iterator[BufferPool[torch.Tensor]]:
     """Stage CPU storages as if they were on a device, through a small pool of ordinary buffers."""
     pool = BufferPool(CountingAllocator(), chunk_bytes=256 << 10, depth=2, slots=2)
-    monkeypatch.setattr(_tensors, "STAGED_DEVICE_TYPES", ("cpu", "cuda"))
-    monkeypatch.setattr(_tensors, "_record_event", DoneEvent)
-    monkeypatch.setattr(_tensors, "_pool", pool)
+    monkeypatch.setattr(_device_copy, "STAGED_DEVICE_TYPES", ("cpu", "cuda"))
+    monkeypatch.setattr(_device_copy, "_record_event", DoneEvent)
+    monkeypatch.setattr(_device_copy, "_pool", pool)
     return pool
 
 
@@ -49,9 +49,9 @@ def test_staged_dumps_payload_equals_the_plain_one(
 ) -> None:
     plain = pc_pickle.dumps({"t": tensor, "again": tensor})
     pool = BufferPool(CountingAllocator(), chunk_bytes=256 << 10, depth=2, slots=2)
-    monkeypatch.setattr(_tensors, "STAGED_DEVICE_TYPES", ("cpu",))
-    monkeypatch.setattr(_tensors, "_record_event", DoneEvent)
-    monkeypatch.setattr(_tensors, "_pool", pool)
+    monkeypatch.setattr(_device_copy, "STAGED_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(_device_copy, "_record_event", DoneEvent)
+    monkeypatch.setattr(_device_copy, "_pool", pool)
     staged = pc_pickle.dumps({"t": tensor, "again": tensor})
     assert staged == plain
     out = pc_pickle.loads(staged)
@@ -66,7 +66,7 @@ def test_staged_chunks_are_written_into_the_final_payload(
     cpu_staging: BufferPool[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     targets: list[tuple[int, int]] = []
-    stage = _tensors.stage_to_host
+    stage = _device_copy.stage_to_host
 
     def spy(source: torch.Tensor, dest: memoryview) -> None:
         targets.append((ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest)))
@@ -91,7 +91,7 @@ def test_staged_loads_reads_the_payload_in_place(
 ) -> None:
     """A staged storage is copied to the device from a view of the payload itself, not from a host copy."""
     sources: list[memoryview] = []
-    stage = _tensors.stage_to_device
+    stage = _device_copy.stage_to_device
 
     def spy(source: memoryview, device: torch.device) -> torch.UntypedStorage:
         sources.append(source)
@@ -120,28 +120,28 @@ def test_stage_to_device_copies_a_view_exactly(
     writable: bool, busy: bool, cpu_staging: BufferPool[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both source kinds (torch's copy, memoryview copy) and the unstaged fallback give the same bytes."""
-    monkeypatch.setattr(_tensors, "LEASE_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(_device_copy, "LEASE_TIMEOUT_S", 0.01)
     raw = torch.randint(0, 256, (5 * cpu_staging.chunk_bytes + 77,), dtype=torch.uint8)
-    data = bytes(_tensors._bytes_of(raw))
+    data = bytes(_device_copy._bytes_of(raw))
     source = memoryview(bytearray(data) if writable else data)[5:]
     with contextlib.ExitStack() as held:
         for _ in range(2 if busy else 1):  # the pool has 2 slots: leave one free, or none
             assert held.enter_context(cpu_staging.lease(1.0)) is not None
         made = cpu_staging.allocated_bytes
-        out = _tensors.stage_to_device(source, torch.device("cpu"))
+        out = _device_copy.stage_to_device(source, torch.device("cpu"))
         assert cpu_staging.allocated_bytes == (made if busy else cpu_staging.bound_bytes)
-    assert bytes(_tensors._bytes_of(torch.empty(0, dtype=torch.uint8).set_(out))) == data[5:]
+    assert bytes(_device_copy._bytes_of(torch.empty(0, dtype=torch.uint8).set_(out))) == data[5:]
 
 
 _PEAK_PROBE = """
 import torch, pc_pickle
-from pc_pickle import _tensors
+from pc_pickle import _device_copy
 from pc_pickle._staging import BufferPool
 from pickle_staging_testutils import CountingAllocator, DoneEvent
 
-_tensors.STAGED_DEVICE_TYPES = ("cpu",)
-_tensors._record_event = DoneEvent
-_tensors._pool = BufferPool(CountingAllocator(), chunk_bytes=1 << 20, depth=2, slots=1)
+_device_copy.STAGED_DEVICE_TYPES = ("cpu",)
+_device_copy._record_event = DoneEvent
+_device_copy._pool = BufferPool(CountingAllocator(), chunk_bytes=1 << 20, depth=2, slots=1)
 size = 64 << 20
 payload = pc_pickle.dumps(torch.ones(size // 4))
 
@@ -181,12 +181,12 @@ def test_tensor_over_a_read_only_view_is_the_same_memory() -> None:
     assert start is not None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tensor = _tensors._tensor_over(memoryview(data)[7:1007])
+        tensor = _device_copy._tensor_over(memoryview(data)[7:1007])
     assert tensor.data_ptr() == start + 7
     assert tensor.numel() == 1000
-    assert bytes(_tensors._bytes_of(tensor.clone())) == data[7:1007]
+    assert bytes(_device_copy._bytes_of(tensor.clone())) == data[7:1007]
     writable = bytearray(data)
-    assert _tensors._tensor_over(memoryview(writable)[3:]).data_ptr() == _tensors._address(writable) + 3
+    assert _device_copy._tensor_over(memoryview(writable)[3:]).data_ptr() == _tensors._address(writable) + 3
 
 
 def test_a_region_no_storage_takes_is_refused(
@@ -236,7 +236,7 @@ def test_staged_pickler_streams_chunks_to_its_file(
     busy: bool, cpu_staging: BufferPool[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A staged storage reaches the file in pinned-buffer chunks, never as one full-size host copy."""
-    monkeypatch.setattr(_tensors, "LEASE_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(_device_copy, "LEASE_TIMEOUT_S", 0.01)
     tensor = torch.randn(1 << 20)  # 4 MiB: 16 chunks of 256 KiB
     file = _RecordingFile()
     with contextlib.ExitStack() as held:
@@ -250,7 +250,7 @@ def test_staged_pickler_streams_chunks_to_its_file(
         assert max(sizes) <= cpu_staging.chunk_bytes
         assert sizes.count(cpu_staging.chunk_bytes) == tensor.nbytes // cpu_staging.chunk_bytes
     payload = b"".join(file.parts)
-    monkeypatch.setattr(_tensors, "STAGED_DEVICE_TYPES", ())
+    monkeypatch.setattr(_device_copy, "STAGED_DEVICE_TYPES", ())
     assert payload == pc_pickle.dumps(tensor)  # the same bytes as an unstaged dumps
     assert torch.equal(pc_pickle.loads(payload), tensor)
 
@@ -263,7 +263,7 @@ def test_small_storages_are_not_staged(cpu_staging: BufferPool[torch.Tensor]) ->
 def test_staging_falls_back_to_a_plain_copy_when_the_pool_is_busy(
     cpu_staging: BufferPool[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_tensors, "LEASE_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(_device_copy, "LEASE_TIMEOUT_S", 0.01)
     tensor = torch.randn(1 << 20)
     with cpu_staging.lease(1.0) as a, cpu_staging.lease(1.0) as b:
         assert a is not None
@@ -272,8 +272,8 @@ def test_staging_falls_back_to_a_plain_copy_when_the_pool_is_busy(
 
 
 def test_staging_falls_back_when_pinned_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_tensors, "STAGED_DEVICE_TYPES", ("cpu",))
-    monkeypatch.setattr(_tensors, "_pool", BufferPool(CountingAllocator(fail=True)))
+    monkeypatch.setattr(_device_copy, "STAGED_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(_device_copy, "_pool", BufferPool(CountingAllocator(fail=True)))
     tensor = torch.randn(1 << 20)
     assert torch.equal(pc_pickle.loads(pc_pickle.dumps(tensor)), tensor)
 
@@ -306,9 +306,9 @@ def test_threads_dump_and_load_concurrently_through_the_pool(cpu_staging: Buffer
 def test_import_and_cpu_dumps_make_no_pool() -> None:
     code = (
         "import torch, pc_pickle\n"
-        "from pc_pickle import _tensors\n"
+        "from pc_pickle import _device_copy\n"
         "pc_pickle.loads(pc_pickle.dumps(torch.randn(1 << 20)))\n"
-        "assert _tensors._pool is None, 'pool made'\n"
+        "assert _device_copy._pool is None, 'pool made'\n"
         "assert not torch.cuda.is_initialized(), 'CUDA initialised'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -349,7 +349,7 @@ def test_cuda_copy_round_trip_is_exact(case: str, monkeypatch: pytest.MonkeyPatc
     assert out.stride() == tensor.stride()
     assert out.storage_offset() == tensor.storage_offset()
     assert torch.equal(out.cpu(), host)
-    monkeypatch.setattr(_tensors, "STAGED_DEVICE_TYPES", ())
+    monkeypatch.setattr(_device_copy, "STAGED_DEVICE_TYPES", ())
     assert pc_pickle.dumps({"t": tensor}) == staged  # the same bytes as the unstaged copy
 
 
@@ -368,7 +368,7 @@ def test_cuda_loads_stages_from_the_payload_in_place(
     kind: Callable[[bytes], object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sources: list[memoryview] = []
-    stage = _tensors.stage_to_device
+    stage = _device_copy.stage_to_device
 
     def spy(source: memoryview, device: torch.device) -> torch.UntypedStorage:
         sources.append(source)
@@ -386,7 +386,7 @@ def test_cuda_loads_stages_from_the_payload_in_place(
 
 @pytest.mark.gpu
 def test_cuda_pinned_pool_stays_bounded_under_threads() -> None:
-    pool = _tensors.staging_pool()
+    pool = _device_copy.staging_pool()
     errors: list[BaseException] = []
     tensors = [torch.randn(9_000_000 + i, device="cuda") for i in range(4)]
 
@@ -439,11 +439,11 @@ def test_a_copy_failing_mid_way_raises_and_returns_its_buffers(
         "Pickler": lambda: pc_pickle.Pickler(io.BytesIO(), copy_tensor=True).dump(tensor),
         "loads": lambda: pc_pickle.loads(payload),
     }[path]
-    monkeypatch.setattr(_tensors, "_record_event", failing_event)
+    monkeypatch.setattr(_device_copy, "_record_event", failing_event)
     with pytest.raises(RuntimeError, match="device copy failed"):
         run()
     assert calls == 3
     assert cpu_staging.allocated_bytes > 0
     assert cpu_staging.free_slots * 2 * cpu_staging.chunk_bytes == cpu_staging.allocated_bytes
-    monkeypatch.setattr(_tensors, "_record_event", DoneEvent)
+    monkeypatch.setattr(_device_copy, "_record_event", DoneEvent)
     assert torch.equal(pc_pickle.loads(pc_pickle.dumps(tensor)), tensor)  # the pool still works

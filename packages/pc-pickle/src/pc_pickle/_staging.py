@@ -2,8 +2,8 @@
 
 Why: a device->host copy into pageable memory runs at a fraction of the bus (the driver stages it through
 its own small pinned buffer, synchronously), and a copy into a fresh host buffer that is then joined into the
-payload costs a second full-size copy. The copy path of :mod:`pc_pickle._tensors` instead moves a large CUDA
-storage in chunks through a few pinned buffers: the asynchronous copy of chunk k+1 runs while chunk k is
+payload costs a second full-size copy. The copy path (:mod:`pc_pickle._device_copy`) instead moves a large
+CUDA storage in chunks through a few pinned buffers: the asynchronous copy of chunk k+1 runs while chunk k is
 copied from its pinned buffer straight into the final payload (:func:`copy_out`), and on load chunks are
 copied into pinned buffers and sent to the device asynchronously, a buffer refilled once its last copy is
 done and the rest waited for at the end (:func:`copy_in`).
@@ -176,7 +176,7 @@ class BufferPool(Generic[B]):
     allocated, so the pool never holds more than :attr:`bound_bytes`.
 
     Args:
-        allocate: Makes one buffer of the given size (pinned host memory in :mod:`pc_pickle._tensors`).
+        allocate: Makes one buffer of the given size (pinned host memory in :mod:`pc_pickle._device_copy`).
         chunk_bytes: Size of each buffer.
         depth: Buffers per slot.
         slots: Slots at most.
