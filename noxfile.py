@@ -180,7 +180,7 @@ def tests(session: nox.Session) -> None:
 # The support matrix (docs/support.md): the floor, the torch current GPU images ship, and the newest release,
 # each on a Python it publishes wheels for. The pinned CPU build (constraints/cpu.txt) on Python 3.11 is the
 # fourth point: every other session. Moving the floor or adding a release changes only this list.
-COMPAT_MATRIX = [("2.4.1", "3.10"), ("2.11.0", "3.11"), ("2.15.0", "3.13")]
+COMPAT_MATRIX = [("2.4.1", "3.10"), ("2.11.0", "3.12"), ("2.15.0", "3.13")]
 
 
 @nox.session(name="compat")
