@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -175,3 +176,20 @@ def misreplying_worker(
         (_, job, chunk, _), blob, *fds = task()
         os.read(initargs[0], 1)
         put(((K_OK, job, chunk + 1000, None), blob, *fds))
+
+
+_calls = threading.local()
+
+
+def where_and_when(*args: Any) -> tuple[int, int, int]:
+    """(pid, thread id, how many calls this thread made before): the calls of one chunk are consecutive."""
+    seq = getattr(_calls, "n", 0)
+    _calls.n = seq + 1
+    return os.getpid(), threading.get_ident(), seq
+
+
+def raise_on_3(*args: Any) -> Any:
+    x = args[-1]  # a context pool passes its worker's context first
+    if x == 3:
+        raise ValueError("element 3")
+    return x

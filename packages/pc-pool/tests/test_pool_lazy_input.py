@@ -155,3 +155,40 @@ def test_a_terminated_lazy_imap_raises_after_its_results_and_never_ends_quietly(
         assert not thread.is_alive()
     with pytest.raises(pc_pool.PoolTerminatedError):
         it.next(timeout=tu.T)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("form", FORMS)
+def test_imap_sends_chunksize_elements_per_task(own_pool: Any, form: str, lazy: bool) -> None:
+    # One task per chunk: the elements of a chunk run in one worker (thread), one call after the other.
+    source: Any = (x for x in range(40)) if lazy else list(range(40))
+    chunks: dict[tuple[int, int], list[int]] = {}
+    for pid, thread, seq in getattr(own_pool, form)(tu.where_and_when, source, chunksize=4):
+        chunks.setdefault((pid, thread), []).append(seq)
+    assert sum(len(seqs) for seqs in chunks.values()) == 40
+    for seqs in chunks.values():
+        seqs.sort()
+        runs = [seqs[i : i + 4] for i in range(0, len(seqs), 4)]
+        # every worker ran whole chunks: its calls come in runs of 4 starting at a multiple of 4
+        assert all(run == list(range(run[0], run[0] + 4)) and run[0] % 4 == 0 for run in runs), seqs
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_imap_a_failed_chunk_raises_once_in_place_of_its_results(own_pool: Any, lazy: bool) -> None:
+    # The chunk holding the failing element raises once; the next chunks follow (the stdlib's chunked imap
+    # raises once too, then stops: its results come through a generator that the exception ends).
+    source: Any = iter(range(10)) if lazy else list(range(10))
+    it = own_pool.imap(tu.raise_on_3, source, chunksize=4)
+    with pytest.raises(ValueError, match="element 3"):
+        it.next(timeout=tu.T)
+    assert [it.next(timeout=tu.T) for _ in range(6)] == [4, 5, 6, 7, 8, 9]
+    with pytest.raises(StopIteration):
+        it.next(timeout=tu.T)
+
+
+def test_imap_reads_ahead_at_most_one_large_chunk(own_pool: Any) -> None:
+    source = Counting()
+    it = own_pool.imap(tu.ident, iter(source), chunksize=50)
+    assert _take(it, 1) == [0]
+    # the first chunk is taken (being returned), one more may be read: max(8 * processes, chunksize) ahead
+    assert source.produced <= 50 + max(8 * own_pool.size(), 50)

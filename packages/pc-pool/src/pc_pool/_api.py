@@ -3,11 +3,10 @@
 Subclasses provide ``_check_running()`` (raise ``ValueError("Pool not running")``), ``_submit(func, mode,
 chunks, result)`` (queue the chunks of one job), ``_processes`` and ``_cache``. ``map`` chunks like the stdlib
 (``chunksize = ceil(len / (4 * processes))``); ``imap``/``imap_unordered`` return an iterator whatever
-``chunksize``. ``map`` and ``starmap`` read the whole iterable in the
-caller first, as the stdlib does (so an iterable that raises raises from the call itself); ``imap`` and
-``imap_unordered`` with ``chunksize=1`` over anything but a list, tuple or range read it lazily in an input
-thread with bounded read-ahead (:mod:`pc_pool._input`) through the subclass hooks ``_open_job``,
-``_add_chunk`` and ``_end_job``.
+``chunksize``. ``map`` and ``starmap`` read the whole iterable in the caller first, as the stdlib does (so an
+iterable that raises raises from the call itself); ``imap`` and ``imap_unordered`` over anything but a list,
+tuple or range read it lazily, ``chunksize`` elements at a time, in an input thread with bounded read-ahead
+(:mod:`pc_pool._input`) through the subclass hooks ``_open_job``, ``_add_chunk`` and ``_end_job``.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pc_pool._checks import positive_int
-from pc_pool._input import READ_AHEAD_PER_WORKER, start_input_thread
+from pc_pool._input import read_ahead_chunks, start_input_thread
 from pc_pool._protocol import MODE_APPLY, MODE_MAP, MODE_STAR
 from pc_pool.results import AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult
 
@@ -243,27 +242,27 @@ class PoolFrontend:
     ) -> IMapIterator:
         self._check_running()
         _check_func(func)
-        # Every chunksize streams, as the stdlib's imap does: elements travel one per chunk (``chunksize`` is
-        # accepted and validated for compatibility; the read-ahead bound already batches the input).
         positive_int("chunksize", chunksize)
         if not isinstance(iterable, (list, tuple, range)):
             if not hasattr(iterable, "__iter__"):
                 raise TypeError(f"iterable must be iterable, got {type(iterable).__name__}")
             iterator = iter(iterable)
-            lazy = cls(_next_job_id(), self._cache, None)
+            lazy = cls(_next_job_id(), self._cache, None, chunksize=chunksize)
             token = self._open_job(func, MODE_MAP, lazy)
             start_input_thread(
                 iterator,
                 lazy,
                 functools.partial(self._add_chunk, token),
                 functools.partial(self._end_job, token),
-                READ_AHEAD_PER_WORKER * self._processes,
+                read_ahead_chunks(self._processes, chunksize),
+                chunksize,
             )
             return lazy
         items = list(iterable)
-        result = cls(_next_job_id(), self._cache, len(items))
+        result = cls(_next_job_id(), self._cache, len(items), chunksize=chunksize)
         if items:
-            self._submit(func, MODE_MAP, [[x] for x in items], result)
+            chunks = [list(items[i : i + chunksize]) for i in range(0, len(items), chunksize)]
+            self._submit(func, MODE_MAP, chunks, result)
         return result
 
     def imap(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1) -> IMapIterator:
@@ -275,11 +274,11 @@ class PoolFrontend:
             chunksize: Size of the chunks sent to workers.
 
         Returns:
-            An :class:`~pc_pool.IMapIterator`, whatever ``chunksize``. An iterable other than a list, tuple
-            or range is read lazily, as the stdlib does: the call returns at once (an endless generator
-            works), at most ``8 * processes`` elements are read past the last result taken, and if the
-            iterable raises, the results of the elements before come first, then ``next()`` raises its
-            exception.
+            An :class:`~pc_pool.IMapIterator`. An iterable other than a list, tuple or range is read lazily,
+            ``chunksize`` elements at a time, as the stdlib does: the call returns at once (an endless
+            generator works), at most ``max(8 * processes, chunksize)`` elements are read past the last
+            result taken, and if the iterable raises, the results of the elements before come first, then
+            ``next()`` raises its exception. A chunk whose task raised raises once, in place of its results.
         """
         return self._imap(func, iterable, chunksize, IMapIterator)
 
@@ -294,8 +293,8 @@ class PoolFrontend:
             chunksize: Size of the chunks sent to workers.
 
         Returns:
-            An :class:`~pc_pool.IMapUnorderedIterator`, whatever ``chunksize``. The iterable is read lazily
-            as by :meth:`imap`.
+            An :class:`~pc_pool.IMapUnorderedIterator`. The iterable is read lazily as by :meth:`imap`;
+            results come a chunk at a time, in the order the chunks complete.
         """
         return self._imap(func, iterable, chunksize, IMapUnorderedIterator)
 

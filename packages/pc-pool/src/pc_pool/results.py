@@ -224,25 +224,31 @@ class MapResult(AsyncResult):
 class IMapIterator:
     """Class whose instances are returned by ``Pool.imap()``: results one at a time, in order.
 
-    An element whose task failed raises its exception from :meth:`next` at that element; iteration may
-    continue past it. Over a lazy iterable (anything but a list, tuple or range) the elements are read by a
-    pool thread while results come back; if the iterable raises, the results of the elements before the
-    failure come first, then :meth:`next` raises the iterable's exception.
+    Elements travel to the workers in chunks of ``chunksize``. A chunk whose task failed raises its exception
+    from :meth:`next` once, in place of that chunk's results, as the stdlib's ``imap`` does (with the default
+    ``chunksize=1``: at that element); iteration may continue past it. Over a lazy iterable (anything but a
+    list, tuple or range) the elements are read by a pool thread while results come back; if the iterable
+    raises, the results of the elements before the failure come first, then :meth:`next` raises the
+    iterable's exception.
 
     Args:
         job: The job id.
         cache: The pool's job table.
         length: Number of elements; ``None`` while a lazy iterable is still being read.
+        chunksize: Elements per chunk (the last chunk may be shorter).
     """
 
-    def __init__(self, job: int, cache: dict[int, Any], length: int | None) -> None:
+    def __init__(self, job: int, cache: dict[int, Any], length: int | None, *, chunksize: int = 1) -> None:
         self._job = job
         self._cache = cache
         self._length = length
+        self._chunksize = chunksize
+        self._chunks = None if length is None else -(-length // chunksize)
         self._cond = threading.Condition(threading.Lock())
-        self._items: dict[int, tuple[bool, Any]] = {}
-        self._index = 0
-        self._arrived = 0
+        self._items: dict[int, tuple[bool, Any]] = {}  # chunk index -> (success, its values or its exception)
+        self._current: collections.deque[Any] = collections.deque()  # values of a chunk being returned
+        self._index = 0  # chunks taken by the caller
+        self._arrived = 0  # chunks arrived
         self._terminal: BaseException | None = None
         self._input_error: BaseException | None = None
         self._read_ahead_lifted = False
@@ -265,9 +271,10 @@ class IMapIterator:
 
     def _settled(self) -> bool:
         return (
-            self._available()
+            bool(self._current)
+            or self._available()
             or self._terminal is not None
-            or (self._length is not None and self._index >= self._length)
+            or (self._chunks is not None and self._index >= self._chunks)
         )
 
     def _available(self) -> bool:
@@ -276,16 +283,25 @@ class IMapIterator:
     def _pop(self) -> tuple[bool, Any]:
         return self._items.pop(self._index)
 
+    def _complete(self) -> bool:
+        """Whether every chunk arrived (call with the condition held)."""
+        return self._chunks is not None and self._arrived >= self._chunks
+
     def next(self, timeout: float | None = None) -> Any:
         """Return the next result within ``timeout`` seconds (``None``: the module's wake-ups end the wait).
 
         Raises:
             StopIteration: Every result has been returned.
             multiprocessing.TimeoutError: The next result did not arrive within ``timeout``.
-            BaseException: The exception of the task that produced this element.
+            BaseException: The exception of the task that produced this element (or chunk).
         """
         owner = self._owner
         with self._cond:
+            if self._current:
+                value = self._current.popleft()
+                if not self._current:
+                    self._cond.notify_all()  # the chunk is consumed: the input thread may read one more
+                return value
             try:
                 ok = self._cond.wait_for(self._settled, timeout)
             except KeyboardInterrupt:
@@ -293,10 +309,12 @@ class IMapIterator:
                     owner._handle_interrupt()
                 raise
             if not ok:
-                raise multiprocessing.TimeoutError(f"element {self._index} of job {self._job} not ready")
+                raise multiprocessing.TimeoutError(
+                    f"result of chunk {self._index} of job {self._job} not ready"
+                )
             if self._available():
                 success, value = self._pop()
-            elif self._length is not None and self._index >= self._length:
+            elif self._chunks is not None and self._index >= self._chunks:
                 error, self._input_error = self._input_error, None
                 if error is None:
                     raise StopIteration
@@ -305,17 +323,18 @@ class IMapIterator:
                 success, value = False, self._terminal
             self._index += 1
             self._cond.notify_all()  # the input thread reads ahead of this position
-        if success:
-            return value
+            if success:
+                self._current.extend(value)
+                return self._current.popleft()
         raise value
 
     def _set(self, index: int, success: bool, value: Any) -> bool:
         with self._cond:
             if self._terminal is not None:
                 return True
-            self._items[index] = (success, value[0] if success else value)
+            self._items[index] = (success, value)
             self._arrived += 1
-            done = self._length is not None and self._arrived >= self._length
+            done = self._complete()
             self._cond.notify_all()
         if done:
             self._cache.pop(self._job, None)
@@ -324,7 +343,7 @@ class IMapIterator:
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
-            if self._length is not None and self._arrived >= self._length:
+            if self._complete():
                 return
             self._terminal = exc
             self._cond.notify_all()
@@ -333,11 +352,16 @@ class IMapIterator:
 
     # -- the input thread of a lazy iterable (pc_pool._input) ------------------------------------------------
     def _wait_for_room(self, count: int, read_ahead: int, timeout: float) -> bool | None:
-        """Wait until element ``count`` may be read: True; False once failed; None after ``timeout``."""
+        """Wait until chunk ``count`` may be read: True; False once failed; None after ``timeout``.
+
+        ``read_ahead`` counts chunks past the last chunk the caller took.
+        """
         with self._cond:
             ok = self._cond.wait_for(
                 lambda: (
-                    self._terminal is not None or self._read_ahead_lifted or count < self._index + read_ahead
+                    self._terminal is not None
+                    or self._read_ahead_lifted
+                    or count < self._index - (1 if self._current else 0) + read_ahead
                 ),
                 timeout,
             )
@@ -345,12 +369,16 @@ class IMapIterator:
                 return None
             return self._terminal is None
 
-    def _end_input(self, count: int, error: BaseException | None) -> bool:
-        """The iterable gave ``count`` elements (then raised ``error``); return whether the job is done."""
+    def _end_input(self, chunks: int, length: int, error: BaseException | None) -> bool:
+        """The iterable gave ``length`` elements in ``chunks`` chunks (then raised ``error``).
+
+        Returns whether the job is done (every chunk's result arrived, or it was failed).
+        """
         with self._cond:
-            self._length = count
+            self._chunks = chunks
+            self._length = length
             self._input_error = error
-            done = self._terminal is not None or self._arrived >= count
+            done = self._terminal is not None or self._arrived >= chunks
             self._cond.notify_all()
         if done:
             self._cache.pop(self._job, None)
@@ -367,8 +395,8 @@ class IMapIterator:
 class IMapUnorderedIterator(IMapIterator):
     """Class whose instances are returned by ``Pool.imap_unordered()``: results in completion order."""
 
-    def __init__(self, job: int, cache: dict[int, Any], length: int | None) -> None:
-        super().__init__(job, cache, length)
+    def __init__(self, job: int, cache: dict[int, Any], length: int | None, *, chunksize: int = 1) -> None:
+        super().__init__(job, cache, length, chunksize=chunksize)
         self._arrivals: collections.deque[tuple[bool, Any]] = collections.deque()
 
     def _available(self) -> bool:
@@ -381,9 +409,9 @@ class IMapUnorderedIterator(IMapIterator):
         with self._cond:
             if self._terminal is not None:
                 return True
-            self._arrivals.append((success, value[0] if success else value))
+            self._arrivals.append((success, value))
             self._arrived += 1
-            done = self._length is not None and self._arrived >= self._length
+            done = self._complete()
             self._cond.notify_all()
         if done:
             self._cache.pop(self._job, None)
