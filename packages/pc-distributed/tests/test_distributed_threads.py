@@ -25,10 +25,10 @@ import torch.distributed as dist
 from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
-from pc_distributed import _remote
-from pc_distributed._rpc_directory import claim_entry
 from pc_distributed._store import arrival_key, lookup, store_barrier, wait_keys
 from pc_distributed._store_waits import StoreClosedError, WaitStores
+from pc_distributed.rpc import _remote
+from pc_distributed.rpc._directory import claim_entry
 
 _T = 30.0  # seconds any one step may take before the check counts as failed (normally milliseconds)
 _STEPS = ("barrier", "join", "collective", "stop")

@@ -1,11 +1,12 @@
 """What the groups need from their World, and this process's current World.
 
 :class:`GroupHost` is the part of :class:`~pc_distributed.World` that ``CollectiveGroup`` and ``RpcGroup``
-use, written as a protocol so that the group modules never import ``world.py`` (``world.py`` imports them: the
-arrows point one way). A live group holds its World, given at creation; only a group handle rebuilt from a
-pickle in another process looks the process's World up, once, through :func:`current_world`.
+use, written as a protocol so that the group modules never import ``pc_distributed.world`` (the world
+imports them: the arrows point one way). A live group holds its World, given at creation; only a group
+handle rebuilt from a pickle in another process looks the process's World up, once, through
+:func:`current_world`.
 
-The slot itself lives here, not in ``world.py``, for the same reason.
+The slot itself lives here, not in ``pc_distributed.world``, for the same reason.
 """
 
 from __future__ import annotations

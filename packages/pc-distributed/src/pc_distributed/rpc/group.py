@@ -1,9 +1,9 @@
 """RpcGroup: named RPC members with a single-owner directory of paired values and registered services.
 
 A live group holds the World it was created by (given at creation) and, through it, the store of its
-directory (``_rpc_directory``). The value or service itself lives only in the owner's locked local table
+directory (``_directory``). The value or service itself lives only in the owner's locked local table
 (``_remote``). A call to a service is one RPC when the owner is cached; an owner that lost the key answers
-"missing", and the caller looks up again and retries once (``_rpc_calls``; ``registered_sync`` waits in the
+"missing", and the caller looks up again and retries once (``_calls``; ``registered_sync`` waits in the
 caller's thread, as a raw ``rpc_sync`` does).
 
 Keys may be any value whose ``repr`` is the same in every process (strings, ints, tuples of those).
@@ -19,16 +19,25 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from pc_distributed import _remote
 from pc_distributed._host import GroupHost, current_world
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed._remote import SERVICE, VALUE, unwrap
-from pc_distributed._rpc_calls import call_owner, call_owner_sync, invoke
-from pc_distributed._rpc_directory import Directory
-from pc_distributed._rpc_join import check_group_args, join_group
 from pc_distributed._store import store_barrier
 from pc_distributed._transport import chain_future, check_call_args, resolve_timeout
-from pc_distributed.remote_ref import RemoteRef
+from pc_distributed.rpc._calls import call_owner, call_owner_sync, invoke
+from pc_distributed.rpc._directory import Directory
+from pc_distributed.rpc._join import check_group_args, join_group
+from pc_distributed.rpc._remote import (
+    SERVICE,
+    VALUE,
+    GroupTables,
+    call_func,
+    call_service,
+    drop_tables,
+    install_tables,
+    paired_value,
+    unwrap,
+)
+from pc_distributed.rpc.remote_ref import RemoteRef
 
 __all__ = ["RpcGroup", "create_rpc_group"]
 
@@ -70,7 +79,7 @@ class RpcGroup:
         self._barrier_gen = 0
         self._barrier_one_thread = OneThreadAtATime(f"RPC group {group_name!r}")
         self._directory: Directory | None = None
-        self._tables = _remote.install_tables(group_name) if first_create else None
+        self._tables = install_tables(group_name) if first_create else None
 
     # -- plumbing ---
     def _world(self) -> GroupHost:
@@ -88,7 +97,7 @@ class RpcGroup:
     def _seconds(self, timeout: float | None) -> float:
         return resolve_timeout(timeout, self._world().rpc_timeout)
 
-    def _local(self, what: str) -> _remote.GroupTables:
+    def _local(self, what: str) -> GroupTables:
         if self.destroyed:
             raise RuntimeError(f"RpcGroup {self.group_name!r} has been destroyed")
         if not self._live or self._tables is None:
@@ -121,14 +130,14 @@ class RpcGroup:
     def _owner_call(
         self, key: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, timeout: float | None, method: Any
     ) -> tuple[Callable[[bool], str | None], Callable[[str], Any], Callable[[], KeyError]]:
-        """A service call's owner look-up, send (with ``method``) and not-found error (see ``_rpc_calls``)."""
+        """A service call's owner look-up, send (with ``method``) and not-found error (see ``_calls``)."""
         call_args, call_kwargs = check_call_args(args, kwargs)
         seconds = self._seconds(timeout)
         ktext = repr(key)
         payload = (self.group_name, ktext, call_args, call_kwargs)
         return (
             lambda refresh: self._dir().owner(SERVICE, ktext, refresh),
-            lambda owner: self._invoke(method, owner, _remote.call_service, payload, seconds),
+            lambda owner: self._invoke(method, owner, call_service, payload, seconds),
             lambda: self._not_found(SERVICE, key),
         )
 
@@ -171,7 +180,7 @@ class RpcGroup:
         if owner is None:
             raise self._not_found(VALUE, key)
         payload = (self.group_name, ktext)
-        rref = self._invoke(rpc.remote, owner, _remote.paired_value, payload, self._seconds(None))
+        rref = self._invoke(rpc.remote, owner, paired_value, payload, self._seconds(None))
         return RemoteRef(rref, owner, lambda: self._not_found(VALUE, key))
 
     # -- services ---
@@ -262,7 +271,7 @@ class RpcGroup:
         if owner is None:
             raise self._not_found(SERVICE, key)
         payload = (self.group_name, ktext, call_args, call_kwargs)
-        rref = self._invoke(rpc.remote, owner, _remote.call_service, payload, seconds)
+        rref = self._invoke(rpc.remote, owner, call_service, payload, seconds)
         return RemoteRef(rref, owner, lambda: self._not_found(SERVICE, key))
 
     # -- plain calls ---
@@ -290,7 +299,7 @@ class RpcGroup:
         to = self._check_target(to)
         call_args, call_kwargs = check_call_args(args, kwargs)
         payload = (func, call_args, call_kwargs)
-        envelope = self._invoke(rpc.rpc_sync, to, _remote.call_func, payload, self._seconds(timeout))
+        envelope = self._invoke(rpc.rpc_sync, to, call_func, payload, self._seconds(timeout))
         return unwrap(envelope, f"process {to!r}")
 
     def rpc_async(
@@ -305,7 +314,7 @@ class RpcGroup:
         to = self._check_target(to)
         call_args, call_kwargs = check_call_args(args, kwargs)
         payload = (func, call_args, call_kwargs)
-        raw = self._invoke(rpc.rpc_async, to, _remote.call_func, payload, self._seconds(timeout))
+        raw = self._invoke(rpc.rpc_async, to, call_func, payload, self._seconds(timeout))
         return chain_future(raw, to, lambda envelope: unwrap(envelope, f"process {to!r}"))
 
     def remote(
@@ -320,7 +329,7 @@ class RpcGroup:
         to = self._check_target(to)
         call_args, call_kwargs = check_call_args(args, kwargs)
         payload = (func, call_args, call_kwargs)
-        rref = self._invoke(rpc.remote, to, _remote.call_func, payload, self._seconds(timeout))
+        rref = self._invoke(rpc.remote, to, call_func, payload, self._seconds(timeout))
         return RemoteRef(rref, to, lambda: KeyError(f"result not found on {to!r}"))
 
     # -- membership ---
@@ -354,7 +363,7 @@ class RpcGroup:
         self.destroyed = True
         if not self._live:
             return
-        tables = _remote.drop_tables(self.group_name)
+        tables = drop_tables(self.group_name)
         if self._host is None and current_world() is None:
             return
         self._world().detach_rpc_group(self.group_name, self)

@@ -24,16 +24,16 @@ from typing import Any, NoReturn
 from pc_distributed import _torch_dist
 from pc_distributed._bounded import BoundedStore
 from pc_distributed._checks import int_in_range, positive_seconds
-from pc_distributed._env import check_name, resolve_world_spec
 from pc_distributed._host import clear_world, current_world, install_world
-from pc_distributed._interfaces import InterfaceEnv, check_interface
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed._rendezvous import Connection, connect, publish_name
-from pc_distributed._stop import STOP_STORE_MARGIN, leave_store
 from pc_distributed._store_waits import WaitStores
 from pc_distributed._transport import resolve_timeout
-from pc_distributed.collective import CollectiveGroup, create_collective_group
-from pc_distributed.rpc_group import RpcGroup, create_rpc_group
+from pc_distributed.collective.group import CollectiveGroup, create_collective_group
+from pc_distributed.rpc.group import RpcGroup, create_rpc_group
+from pc_distributed.world._env import check_name, resolve_world_spec
+from pc_distributed.world._interfaces import InterfaceEnv, check_interface
+from pc_distributed.world._rendezvous import Connection, connect, publish_name
+from pc_distributed.world._stop import STOP_STORE_MARGIN, leave_store
 
 __all__ = ["STOP_STORE_MARGIN", "World", "get_cur_name", "get_cur_rank", "get_world", "is_world_initialized"]
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed._work import ChainedWork
+from pc_distributed.collective._work import ChainedWork
 
 __all__ = ["MultiGpuOps"]
 

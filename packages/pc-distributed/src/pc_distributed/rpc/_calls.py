@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from pc_distributed._host import GroupHost
-from pc_distributed._remote import MissingOnOwner, unwrap
 from pc_distributed._transport import transport_error, with_cause
+from pc_distributed.rpc._remote import MissingOnOwner, unwrap
 
 __all__ = ["call_owner", "call_owner_sync", "invoke"]
 

@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from pc_distributed import _torch_dist
 from pc_distributed._host import GroupHost
-from pc_distributed._multigpu import MultiGpuOps
 from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._store import wait_keys
-from pc_distributed._work import RecvHandle
+from pc_distributed.collective._multigpu import MultiGpuOps
+from pc_distributed.collective._work import RecvHandle
 
 __all__ = ["CollectiveGroup", "RecvHandle", "create_collective_group"]
 
