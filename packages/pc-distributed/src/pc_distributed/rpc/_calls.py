@@ -1,9 +1,11 @@
-"""How an RPC group's call reaches its target: the send with mapped transport errors, and the owner retry.
+"""How an RPC group's call reaches its target: the send with mapped transport errors, and a service call.
 
-:func:`call_owner` (``registered_async``) and :func:`call_owner_sync` (``registered_sync``) take the same
-path: ask the cached owner first; if it answers "missing" (a stale cache entry), look the owner up again and
-try once more. The blocking one waits in the caller's thread (as a raw ``rpc_sync`` does) instead of
-chaining a second future whose callback runs on an RPC thread: one hand-off less on the hot path.
+A :class:`ServiceCall` is one call of a registered service. Without a given owner it asks the cached owner
+first; if that answers "missing" (a stale cache entry) it looks the owner up again and tries once more. With a
+given owner it goes straight there and never asks the directory. The blocking form waits in the caller's
+thread (as a raw ``rpc_sync`` does), and when the owner is this process it runs the service right here,
+without an RPC to itself, on copies of the arguments and the result (:func:`~._remote.copy_as_sent`), so the
+caller sees what an RPC would have delivered.
 """
 
 from __future__ import annotations
@@ -13,12 +15,26 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed.rpc as rpc
 
 from pc_distributed._host import GroupHost
 from pc_distributed._transport import transport_error, with_cause
-from pc_distributed.rpc._remote import MissingOnOwner, unwrap
+from pc_distributed.rpc._directory import Directory
+from pc_distributed.rpc._remote import (
+    OK,
+    SERVICE,
+    MissingOnOwner,
+    call_service,
+    copy_as_sent,
+    run_service,
+    unwrap,
+)
+from pc_distributed.rpc.remote_ref import RemoteRef
 
-__all__ = ["call_owner", "call_owner_sync", "invoke"]
+__all__ = ["ServiceCall", "invoke", "pickling_error"]
+
+# What the elements of a service call's payload are, to name an unpicklable one.
+_SERVICE_PARTS = ("group", "key", "args", "kwargs")
 
 
 def invoke(
@@ -56,15 +72,25 @@ def invoke(
     except (RuntimeError, OSError) as exc:
         raise transport_error(exc, to, what) from exc
     except (AttributeError, TypeError, pickle.PicklingError) as exc:  # pickling the payload failed
-        found = _unpicklable(args, parts)
-        if found is None:
-            raise
-        where, obj = found
-        kind = type(obj)
-        raise TypeError(
-            f"{what} to {to!r}: {where} cannot be pickled ({kind.__module__}.{kind.__qualname__}: {exc}); "
-            "RPC sends functions by reference: pass a module-level function and picklable arguments"
-        ) from exc
+        raise pickling_error(exc, f"{what} to {to!r}", args, parts) from exc
+
+
+def pickling_error(
+    exc: BaseException, what: str, payload: tuple[Any, ...], parts: Sequence[str]
+) -> BaseException:
+    """The ``TypeError`` naming the element of ``payload`` that did not pickle (``exc`` itself if none did).
+
+    The caller chains ``exc`` as the ``__cause__``.
+    """
+    found = _unpicklable(payload, parts)
+    if found is None:
+        return exc
+    where, obj = found
+    kind = type(obj)
+    return TypeError(
+        f"{what}: {where} cannot be pickled ({kind.__module__}.{kind.__qualname__}: {exc}); "
+        "RPC sends functions by reference: pass a module-level function and picklable arguments"
+    )
 
 
 def _pickles(obj: Any) -> bool:
@@ -94,80 +120,138 @@ def _unpicklable(payload: tuple[Any, ...], parts: Sequence[str]) -> tuple[str, A
     return None
 
 
-def call_owner(
-    owner_of: Callable[[bool], str | None],
-    send: Callable[[str], torch.futures.Future[Any]],
-    not_found: Callable[[], KeyError],
-) -> torch.futures.Future[Any]:
-    """Call a service on its owner, retrying once after a fresh look-up when the owner lost the key.
+class ServiceCall:
+    """One call of the service ``key`` of an RPC group: find its owner, send, retry once on a stale owner.
 
     Args:
-        owner_of: ``owner_of(refresh)`` returns the owner's name (cached unless ``refresh``), or None.
-        send: Sends the call to an owner; its future holds the owner's envelope.
-        not_found: Makes the ``KeyError`` for a key no member holds.
-
-    Returns:
-        A future with the service's result, or its exception (the service's own, ``KeyError``,
-        ``TimeoutError`` or ``ConnectionError``). Errors of the first look-up or send raise here instead.
+        host: The World.
+        directory: The group's directory (owner look-ups, cached).
+        group: The group's name.
+        key: The service's key, as the caller gave it (for the ``KeyError`` text).
+        args: Positional arguments.
+        kwargs: Keyword arguments.
+        timeout: Seconds of each attempt's RPC.
+        owner: The member known to own ``key`` (then the directory is not asked), or None.
     """
-    out: torch.futures.Future[Any] = torch.futures.Future()
 
-    def attempt(refresh: bool) -> None:
-        owner = owner_of(refresh)
-        if owner is None:
-            out.set_exception(not_found())
-            return
+    def __init__(
+        self,
+        host: GroupHost,
+        directory: Directory,
+        group: str,
+        key: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float,
+        owner: str | None = None,
+    ) -> None:
+        self._host = host
+        self._directory = directory
+        self._group = group
+        self._key = key
+        self._ktext = repr(key)
+        self._payload = (group, self._ktext, args, kwargs)
+        self._timeout = timeout
+        self._owner = owner
 
-        def done(fut: torch.futures.Future[Any]) -> None:
+    def not_found(self) -> KeyError:
+        """The ``KeyError`` for a key that no member (or not the given owner) holds."""
+        where = "" if self._owner is None else f" (asked member {self._owner!r})"
+        return KeyError(f"Service with key [{self._key}] not found on Group [{self._group}]{where}")
+
+    def _owner_of(self, refresh: bool) -> str | None:
+        if self._owner is not None:
+            return self._owner
+        return self._directory.owner(SERVICE, self._ktext, refresh)
+
+    def _attempts(self) -> tuple[bool, ...]:
+        # a given owner is asked once: there is no directory to correct it
+        return (False,) if self._owner is not None else (False, True)
+
+    def _send(self, method: Callable[..., Any], owner: str) -> Any:
+        return invoke(self._host, method, owner, call_service, self._payload, self._timeout, _SERVICE_PARTS)
+
+    def _run_here(self) -> Any:
+        """Run the service in this process on copies of the arguments; return a copy of its result."""
+        what = f"registered_sync of {self._ktext} in this process"
+        try:
+            group, ktext, args, kwargs = copy_as_sent(self._payload)
+        except (AttributeError, TypeError, pickle.PicklingError) as exc:
+            raise pickling_error(exc, what, self._payload, _SERVICE_PARTS) from exc
+        envelope = run_service(self._host.rpc_tables.get(group), ktext, args, kwargs)
+        if envelope[0] != OK:
+            return envelope
+        try:
+            return (OK, copy_as_sent(envelope[1]))
+        except (AttributeError, TypeError, pickle.PicklingError) as exc:
+            raise pickling_error(exc, what, (envelope[1],), ("result",)) from exc
+
+    def sync(self) -> Any:
+        """The service's result, or its exception raised here.
+
+        Raises:
+            KeyError: If no member holds the key (also after one fresh look-up).
+            TimeoutError: If the owner did not answer in time.
+            ConnectionError: If the owner is unreachable.
+            Exception: The service's own exception.
+        """
+        for refresh in self._attempts():
+            owner = self._owner_of(refresh)
+            if owner is None:
+                break
+            here = owner == self._host.name  # no RPC to itself
+            envelope = self._run_here() if here else self._send(rpc.rpc_sync, owner)
             try:
-                envelope = fut.wait()
-            except (RuntimeError, OSError) as exc:
-                out.set_exception(with_cause(transport_error(exc, owner, "rpc"), exc))
-                return
-            try:
-                out.set_result(unwrap(envelope, f"process {owner!r}"))
+                return unwrap(envelope, f"process {owner!r}")
             except MissingOnOwner:
-                if refresh:
-                    out.set_exception(not_found())
+                continue  # a stale cache entry: look the owner up again, once
+        raise self.not_found()
+
+    def future(self) -> torch.futures.Future[Any]:
+        """A future with the service's result, or its exception (always one RPC, also to this process).
+
+        Errors of the first look-up or send raise here instead.
+        """
+        out: torch.futures.Future[Any] = torch.futures.Future()
+        attempts = self._attempts()
+
+        def attempt(index: int) -> None:
+            owner = self._owner_of(attempts[index])
+            if owner is None:
+                out.set_exception(self.not_found())
+                return
+
+            def done(fut: torch.futures.Future[Any]) -> None:
+                try:
+                    envelope = fut.wait()
+                except (RuntimeError, OSError) as exc:
+                    out.set_exception(with_cause(transport_error(exc, owner, "rpc"), exc))
                     return
                 try:
-                    attempt(True)
+                    out.set_result(unwrap(envelope, f"process {owner!r}"))
+                except MissingOnOwner:
+                    if index + 1 == len(attempts):
+                        out.set_exception(self.not_found())
+                        return
+                    try:
+                        attempt(index + 1)
+                    except Exception as exc:
+                        out.set_exception(exc)
                 except Exception as exc:
                     out.set_exception(exc)
-            except Exception as exc:
-                out.set_exception(exc)
 
-        send(owner).add_done_callback(done)
+            self._send(rpc.rpc_async, owner).add_done_callback(done)
 
-    attempt(False)
-    return out
+        attempt(0)
+        return out
 
+    def remote(self) -> RemoteRef:
+        """Run the service on its owner (one RPC); a :class:`RemoteRef` to the result.
 
-def call_owner_sync(
-    owner_of: Callable[[bool], str | None],
-    send: Callable[[str], Any],
-    not_found: Callable[[], KeyError],
-) -> Any:
-    """Blocking :func:`call_owner`: the service's result, or its exception raised here.
-
-    Args:
-        owner_of: ``owner_of(refresh)`` returns the owner's name (cached unless ``refresh``), or None.
-        send: Sends the call to an owner and returns the owner's envelope (transport errors mapped, e.g. by
-            :func:`invoke` with ``rpc_sync``).
-        not_found: Makes the ``KeyError`` for a key no member holds.
-
-    Raises:
-        KeyError: If no member holds the key (also after one fresh look-up).
-        TimeoutError: If the owner did not answer in time.
-        ConnectionError: If the owner is unreachable.
-        Exception: The service's own exception.
-    """
-    for refresh in (False, True):
-        owner = owner_of(refresh)
+        Raises:
+            KeyError: If no member holds the key (the directory is asked afresh unless an owner was given).
+        """
+        owner = self._owner_of(True)
         if owner is None:
-            break
-        try:
-            return unwrap(send(owner), f"process {owner!r}")
-        except MissingOnOwner:
-            continue  # a stale cache entry: look the owner up again, once
-    raise not_found()
+            raise self.not_found()
+        return RemoteRef(self._send(rpc.remote, owner), owner, self.not_found)

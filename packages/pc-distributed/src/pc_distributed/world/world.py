@@ -29,6 +29,7 @@ from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._store_waits import WaitStores
 from pc_distributed._transport import resolve_timeout
 from pc_distributed.collective.group import CollectiveGroup, create_collective_group
+from pc_distributed.rpc._remote import ProcessTables
 from pc_distributed.rpc.group import RpcGroup, create_rpc_group
 from pc_distributed.world._env import check_name, resolve_world_spec
 from pc_distributed.world._interfaces import InterfaceEnv, check_interface
@@ -116,6 +117,7 @@ class World:
         self.init_rpc = bool(init_rpc)
         self.rpc_busy_poll = bool(rpc_busy_poll)
         self._rpc_groups: dict[str, RpcGroup] = {}
+        self._rpc_tables = ProcessTables()
         self._rpc_instances: dict[str, int] = {}
         self._collective_groups: list[CollectiveGroup] = []
         self._lock = threading.RLock()
@@ -185,6 +187,11 @@ class World:
     def waits(self) -> WaitStores:
         """The clients for blocking store waits (one connection per wait); ``RuntimeError`` after stop."""
         return self._connection().waits
+
+    @property
+    def rpc_tables(self) -> ProcessTables:
+        """The paired values and services of this process's RPC groups (what incoming calls run on)."""
+        return self._rpc_tables
 
     # -- accessors ---
     def get_ranks(self) -> list[int]:
