@@ -6,7 +6,11 @@ imports them: the arrows point one way). A live group holds its World, given at 
 handle rebuilt from a pickle in another process looks the process's World up, once, through
 :func:`current_world`.
 
-The slot itself lives here, not in ``pc_distributed.world``, for the same reason.
+The slot itself lives here, not in ``pc_distributed.world``, for the same reason. It is the package's one
+process-wide pointer, and it has to be: torch runs an incoming RPC as a module-level function with nothing
+but its arguments, and ``get_world()`` is the public way for code to find the process's World. Everything
+else that outlives a call (the RPC groups, their tables of values and services, the collective groups)
+belongs to the World and goes with it.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Public: :class:`World` and its accessors (``world.py``) and :func:`run_world` (``launcher.py``). The
 underscored modules are the World's parts: the bounded start (``_rendezvous``), the store handed to RPC
-(``_rpc_store``), the bounded leave (``_stop``), the environment (``_env``) and the network interface
-variables (``_interfaces``).
+(``_rpc_store``), the environment (``_env``) and the network interface variables (``_interfaces``).
 """
 
 from pc_distributed.world.launcher import run_world
