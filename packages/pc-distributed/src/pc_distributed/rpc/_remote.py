@@ -1,4 +1,8 @@
-"""What runs on the far side of an RPC: per-process tables of paired values and services, and envelopes.
+"""What runs on the owner's side of a call: the tables of paired values and services, and envelopes.
+
+The tables of every live RPC group of a process belong to its World (:class:`ProcessTables`); an incoming
+RPC finds them through the process's current World. A call of a service this process owns runs the same
+:func:`run_service` without an RPC, on :func:`copy_as_sent` copies.
 
 RPC targets never raise. They return an envelope: ``(OK, value)``, ``(ERR, exception, traceback_text)`` or
 ``(MISSING,)`` when this process does not own the key (a stale cache entry on the caller). The caller's side

@@ -2,8 +2,9 @@
 
 A live group holds the World it was created by (given at creation) and, through it, the store of its
 directory (``_directory``). The value or service itself lives only in the owner's locked local table
-(``_remote``). A call to a service is one RPC when the owner is cached; an owner that lost the key answers
-"missing", and the caller looks up again and retries once (``_calls``; ``registered_sync`` waits in the
+(``_remote``), which the owner's World holds. A call to a service (a ``ServiceCall`` of ``_calls``) is one
+RPC when the owner is cached or given, and none when the owner is this process; an owner that lost the key
+answers "missing", and the caller looks up again and retries once (``registered_sync`` waits in the
 caller's thread, as a raw ``rpc_sync`` does).
 
 Keys may be any value whose ``repr`` is the same in every process (strings, ints, tuples of those).
@@ -99,9 +100,8 @@ class RpcGroup:
             )
         return self._tables
 
-    def _not_found(self, kind: str, key: Any) -> KeyError:
-        label = "Service" if kind == SERVICE else "Value"
-        return KeyError(f"{label} with key [{key}] not found on Group [{self.group_name}]")
+    def _value_not_found(self, key: Any) -> KeyError:
+        return KeyError(f"Value with key [{key}] not found on Group [{self.group_name}]")
 
     def _check_target(self, to: object, label: str = "to") -> str:
         if not isinstance(to, str):
@@ -174,10 +174,10 @@ class RpcGroup:
         ktext = repr(key)
         owner = self._dir().owner(VALUE, ktext, refresh=True)
         if owner is None:
-            raise self._not_found(VALUE, key)
+            raise self._value_not_found(key)
         payload = (self.group_name, ktext)
         rref = self._invoke(rpc.remote, owner, paired_value, payload, self._seconds(None))
-        return RemoteRef(rref, owner, lambda: self._not_found(VALUE, key))
+        return RemoteRef(rref, owner, lambda: self._value_not_found(key))
 
     # -- services ---
     def register(self, key: Any, service: Callable[..., Any]) -> None:
