@@ -29,7 +29,7 @@ from integration_docs import ROOT, parse_blocks
 from multihost import SimHosts, TorchrunJob, torchrun_args, unavailable_reason, wait_for
 
 from pc_distributed._bounded import WAIT_GRACE
-from pc_distributed.world import STOP_STORE_MARGIN
+from pc_distributed.world.world import STOP_STORE_MARGIN
 
 _REASON = unavailable_reason()
 pytestmark = [

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from pc_distributed.daso import DASO
-from pc_distributed.data_parallel import DataParallel
-from pc_distributed.data_parallel_multigpu import DataParallelMultiGPU
-from pc_distributed.dp_optimizer import DataParallelOptimizer
+from pc_distributed.parallel.daso.daso import DASO
+from pc_distributed.parallel.daso.multigpu import DataParallelMultiGPU
+from pc_distributed.parallel.data_parallel import DataParallel
+from pc_distributed.parallel.optimizer import DataParallelOptimizer
 
 B = 4  # samples per rank per step
 STEPS = 3

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pc_distributed.daso import DASO, staleness_merge
-from pc_distributed.daso_schedule import PlateauDetector, SkipState, next_skips, phase_of
+from pc_distributed.parallel.daso._schedule import PlateauDetector, SkipState, next_skips, phase_of
+from pc_distributed.parallel.daso.daso import DASO, staleness_merge
 
 KW = {
     "warmup_epochs": 2,

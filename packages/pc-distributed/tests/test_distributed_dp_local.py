@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from pc_distributed.data_parallel import DataParallel
-from pc_distributed.dp_buckets import make_buckets
-from pc_distributed.dp_comm import resolve_group, to_timedelta
-from pc_distributed.dp_optimizer import DataParallelOptimizer
+from pc_distributed.parallel._buckets import make_buckets
+from pc_distributed.parallel._comm import resolve_group, to_timedelta
+from pc_distributed.parallel.data_parallel import DataParallel
+from pc_distributed.parallel.optimizer import DataParallelOptimizer
 
 
 def test_dp_buckets_split_by_dtype_and_cap_in_order() -> None:

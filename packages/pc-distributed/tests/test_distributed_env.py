@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from pc_distributed._checks import optional_timeout
-from pc_distributed._env import check_name, resolve_world_spec
 from pc_distributed._errors import RankDiedError, RemoteTraceback, portable_exception, reraise_remote
 from pc_distributed._transport import is_timeout, resolve_timeout, transport_error
+from pc_distributed.world._env import check_name, resolve_world_spec
 
 
 def test_defaults_to_a_one_process_loopback_world_on_a_free_port() -> None:

@@ -107,3 +107,33 @@ def test_the_checker_finds_a_cycle(tmp_path: Path) -> None:
     assert find_cycle(graph) == ["pc_demo.a", "pc_demo.b", "pc_demo.a"]
     del graph["pc_demo.b"]
     assert find_cycle(graph) is None
+
+
+# pc_distributed's layers (CONTRIBUTING.md, "The layout of pc-distributed"): what each part may not import.
+_FORBIDDEN = {
+    "": ("world", "rpc", "collective", "parallel"),  # the bottom layer imports no subpackage
+    "rpc": ("world", "collective", "parallel"),
+    "collective": ("world", "rpc", "parallel"),
+    "parallel": ("world", "rpc", "collective"),
+}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__"  # the package's __init__ re-exports from every subpackage
+    # pc_distributed.<sub>[.<mod>]; the root's own modules are all underscored
+    return "" if parts[1].startswith("_") else parts[1]
+
+
+def test_pc_distributed_layers_point_down() -> None:
+    src = next(s for s in SOURCES if s.name == "pc_distributed")
+    graph = import_graph(src)
+    assert {_part(m) for m in graph} >= {"", "world", "rpc", "collective", "parallel"}
+    wrong = [
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if _part(target) in _FORBIDDEN.get(_part(module), ())
+    ]
+    assert not wrong, f"imports against pc_distributed's layers: {wrong}"

@@ -207,8 +207,8 @@ def test_world_names_an_unreachable_rendezvous() -> None:
 
 def test_rank_zero_binds_exactly_the_given_address() -> None:
     # 10.255.255.1 is no address of this host: serving on every interface would have succeeded.
-    from pc_distributed import _rendezvous
-    from pc_distributed._env import resolve_world_spec
+    from pc_distributed.world import _rendezvous
+    from pc_distributed.world._env import resolve_world_spec
 
     spec = resolve_world_spec(0, 2, None, None, env={"MASTER_PORT": "0"}, addr="10.255.255.1")
     with pytest.raises(OSError, match=r"rank 0 cannot serve the rendezvous store on 10\.255\.255\.1:0"):

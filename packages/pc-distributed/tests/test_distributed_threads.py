@@ -25,10 +25,10 @@ import torch.distributed as dist
 from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
-from pc_distributed import _remote
-from pc_distributed._rpc_directory import claim_entry
 from pc_distributed._store import arrival_key, lookup, store_barrier, wait_keys
 from pc_distributed._store_waits import StoreClosedError, WaitStores
+from pc_distributed.rpc import _remote
+from pc_distributed.rpc._directory import claim_entry
 
 _T = 30.0  # seconds any one step may take before the check counts as failed (normally milliseconds)
 _STEPS = ("barrier", "join", "collective", "stop")
@@ -226,7 +226,8 @@ class _HeldStore:
 
 
 def test_a_claim_in_flight_does_not_hold_up_calls_to_other_services() -> None:
-    tables = _remote.install_tables("threads-claim")
+    process = _remote.ProcessTables()  # what a World owns
+    tables = process.install("threads-claim")
     try:
         tables.services["'ready'"] = _plus_one
         store = _HeldStore()
@@ -244,7 +245,9 @@ def test_a_claim_in_flight_does_not_hold_up_calls_to_other_services() -> None:
         assert store.entered.wait(_T)
         result: list[Any] = []
         caller = threading.Thread(
-            target=lambda: result.append(_remote.call_service("threads-claim", "'ready'", (1,), {}))
+            target=lambda: result.append(
+                _remote.run_service(process.get("threads-claim"), "'ready'", (1,), {})
+            )
         )
         caller.start()
         caller.join(_T)
@@ -255,9 +258,9 @@ def test_a_claim_in_flight_does_not_hold_up_calls_to_other_services() -> None:
         assert answered_while_claiming, "a call to another service waited for the claim's store request"
         assert result == [(_remote.OK, 2)]
         assert claimed == [None]
-        assert _remote.call_service("threads-claim", "'new'", (2,), {}) == (_remote.OK, 3)
+        assert _remote.run_service(process.get("threads-claim"), "'new'", (2,), {}) == (_remote.OK, 3)
     finally:
-        _remote.drop_tables("threads-claim")
+        process.drop("threads-claim")
 
 
 class _ObservedCondition(threading.Condition):
@@ -273,7 +276,8 @@ class _ObservedCondition(threading.Condition):
 
 
 def test_a_call_racing_with_its_keys_claim_is_served_once_the_claim_settles() -> None:
-    tables = _remote.install_tables("threads-settle")
+    process = _remote.ProcessTables()  # what a World owns
+    tables = process.install("threads-settle")
     try:
         observed = _ObservedCondition(tables.lock)
         tables.settled = observed
@@ -286,7 +290,9 @@ def test_a_call_racing_with_its_keys_claim_is_served_once_the_claim_settles() ->
         assert store.entered.wait(_T)  # the claim's store request is in flight
         result: list[Any] = []
         caller = threading.Thread(
-            target=lambda: result.append(_remote.call_service("threads-settle", "'new'", (4,), {}))
+            target=lambda: result.append(
+                _remote.run_service(process.get("threads-settle"), "'new'", (4,), {})
+            )
         )
         caller.start()
         assert observed.waiting.wait(_T), "the call did not wait for the claim in flight"
@@ -295,4 +301,4 @@ def test_a_call_racing_with_its_keys_claim_is_served_once_the_claim_settles() ->
         caller.join(_T)
         assert result == [(_remote.OK, 5)]  # served by the new owner, not "missing"
     finally:
-        _remote.drop_tables("threads-settle")
+        process.drop("threads-settle")

@@ -62,7 +62,7 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _instrument() -> None:
     """Wrap the legs (in this process) with timers."""
-    from pc_distributed import _rpc_directory
+    from pc_distributed.rpc import _directory as _rpc_directory
     from pc_server import _primary_reducer, _secondary_reducer, grad_client
 
     grad_client.call_service = _timed("push_rpc", grad_client.call_service)  # type: ignore[assignment]

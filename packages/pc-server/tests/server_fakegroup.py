@@ -1,7 +1,10 @@
 """An in-process stand-in for pc_distributed.RpcGroup: several named "processes" sharing one hub.
 
-Arguments and results of service calls go through pickle, as over RPC, so copy semantics match; the accessor's
-group handle re-binds to the calling "process" when unpickled, like the real handle does.
+Arguments and results of service calls go through pickle, as over RPC, so copy semantics match; the
+accessor's group handle re-binds to the calling "process" when unpickled, like the real handle does.
+``hub.calls`` records the calls that would be RPCs: a call of a service the calling "process" owns runs in
+place (as RpcGroup runs it, on copies) and is not recorded; a call given its ``owner`` is recorded as
+``"<key>@<owner>"`` and skips the directory (it is not stalled by ``stalled_directory``).
 """
 
 from __future__ import annotations
@@ -97,20 +100,27 @@ class FakeGroup:
         return _Ref(self.hub, self.hub.paired[key][1], self.name)
 
     def registered_sync(
-        self, key: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        self,
+        key: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        *,
+        owner: str | None = None,
     ) -> Any:
-        if self.name in self.hub.stalled_directory:
+        if owner is None and self.name in self.hub.stalled_directory:
             raise TimeoutError(f"directory look-up of {key!r} from {self.name!r} stalled")
-        if key not in self.hub.services:
+        if key not in self.hub.services or owner not in (None, self.hub.services[key][0]):
             raise KeyError(f"Service with key {key} not found on Group")
-        owner, fn = self.hub.services[key]
-        self.hub.calls.append(key)
-        result = self._run(owner, fn, args, kwargs)
+        holder, fn = self.hub.services[key]
+        if holder != self.name:  # an RPC; a service of this "process" runs in place
+            self.hub.calls.append(key if owner is None else f"{key}@{owner}")
+        result = self._run(holder, fn, args, kwargs)
         with self.hub.lock:
             lost = key in self.hub.lose_reply
             self.hub.lose_reply.discard(key)
         if lost:
-            raise ConnectionError(f"reply of {key!r} from {owner!r} lost in transport")
+            raise ConnectionError(f"reply of {key!r} from {holder!r} lost in transport")
         return result
 
     def rpc_sync(

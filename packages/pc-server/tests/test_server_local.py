@@ -1,41 +1,15 @@
-"""In-process short cuts (``pc_server._local``): who finds a server in its own process, and what it gets.
+"""An accessor in its server's own process: no call goes through the group's RPC, and it gets snapshots.
 
-Through the fake group every RPC is recorded in ``hub.calls``; an accessor on the very group object its server
-was created with calls the server directly (nothing recorded), any other accessor goes through the "RPC".
+Through the fake group every RPC is recorded in ``hub.calls``; a call of a service the calling process owns
+runs in place, on copies (as ``RpcGroup.registered_sync`` runs it), and is not recorded.
 """
 
 from __future__ import annotations
-
-import gc
 
 import torch
 from server_fakegroup import Hub
 
 from pc_server import OrderedServerSimple, OrderedServerSimpleImpl
-from pc_server._local import find_local, register_local
-
-
-class _Server:
-    def serve(self) -> str:
-        return "served"
-
-
-def test_found_only_on_the_registering_group_object_while_both_live() -> None:
-    hub = Hub(["0", "1"])
-    group, other_view = hub.group("0"), hub.group("0")  # the same member, but another group object
-    server = _Server()
-    register_local(group, "svc", server.serve)
-    found = find_local(group, "svc")
-    assert found is not None
-    assert found() == "served"
-    assert find_local(other_view, "svc") is None  # e.g. a handle that is not the live group
-    assert find_local(group, "other") is None
-    group.destroyed = True  # type: ignore[attr-defined]  # as RpcGroup.destroy() sets it
-    assert find_local(group, "svc") is None
-    group.destroyed = False  # type: ignore[attr-defined]
-    del server, found
-    gc.collect()
-    assert find_local(group, "svc") is None  # held weakly: gone with its server
 
 
 def test_ordered_server_accessor_in_the_serving_process_makes_no_call_and_gets_snapshots() -> None:
@@ -66,14 +40,3 @@ def test_ordered_server_accessor_in_the_serving_process_makes_no_call_and_gets_s
     remote = OrderedServerSimple("kv", hub.group("1"))  # another process: through the group, as before
     assert remote.pull("a") is not None
     assert hub.calls == ["kv/_pull_service"]
-
-
-class _NoWeakrefGroup:
-    __slots__ = ()
-
-
-def test_a_group_without_weak_references_gets_no_short_cut() -> None:
-    group = _NoWeakrefGroup()
-    server = _Server()
-    register_local(group, "svc", server.serve)  # no error: the server is simply reached by RPC
-    assert find_local(group, "svc") is None

@@ -99,7 +99,7 @@ def test_issue14_seven_pushes_two_reducers_none_lost_while_reducer_directories_s
     primary.watch()
     impls["1"].watch()
     assert model.weights() == (1.0 - 42.0, 2.0 - 21.0, 3.0 - 14.0)  # w0 - 7g, before anything stopped
-    assert "rpc_sync:0:deliver_forward" in hub.calls  # '1' forwarded by member name, not by directory
+    assert any(c.endswith("@0") for c in hub.calls)  # '1' forwarded by member name, not by directory
     hub.stalled_directory.clear()
     impls["1"].stop(timeout=WAIT)
     primary.stop(timeout=WAIT)

@@ -1,11 +1,16 @@
 """What the groups need from their World, and this process's current World.
 
 :class:`GroupHost` is the part of :class:`~pc_distributed.World` that ``CollectiveGroup`` and ``RpcGroup``
-use, written as a protocol so that the group modules never import ``world.py`` (``world.py`` imports them: the
-arrows point one way). A live group holds its World, given at creation; only a group handle rebuilt from a
-pickle in another process looks the process's World up, once, through :func:`current_world`.
+use, written as a protocol so that the group modules never import ``pc_distributed.world`` (the world
+imports them: the arrows point one way). A live group holds its World, given at creation; only a group
+handle rebuilt from a pickle in another process looks the process's World up, once, through
+:func:`current_world`.
 
-The slot itself lives here, not in ``world.py``, for the same reason.
+The slot itself lives here, not in ``pc_distributed.world``, for the same reason. It is the package's one
+process-wide pointer, and it has to be: torch runs an incoming RPC as a module-level function with nothing
+but its arguments, and ``get_world()`` is the public way for code to find the process's World. Everything
+else that outlives a call (the RPC groups, their tables of values and services, the collective groups)
+belongs to the World and goes with it.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ class GroupHost(Protocol):
     def store(self) -> StoreClient: ...
     @property
     def waits(self) -> Waiter: ...
+    @property
+    def rpc_tables(self) -> Any:
+        """The World's ``ProcessTables`` (``rpc._remote``): its RPC groups' values and services."""
 
     def get_members(self) -> list[str]: ...
     def get_rpc_group(self, group_name: str) -> Any: ...

@@ -9,9 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from pc_server._local import register_local
-
-__all__ = ["GroupLike", "call_member", "call_service", "check_group", "check_name", "register_service"]
+__all__ = ["GroupLike", "call_service", "check_group", "check_name"]
 
 
 @runtime_checkable
@@ -28,19 +26,19 @@ class GroupLike(Protocol):
         """Return an RRef-like object (``to_here()``) to the value paired under ``key``."""
 
     def registered_sync(
-        self, key: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        """Call the service registered under ``key`` and return its result."""
-
-    def rpc_sync(
         self,
-        to: str,
-        func: Callable[..., Any],
-        timeout: float = -1,
-        args: Any = (),
+        key: str,
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        *,
+        owner: str | None = None,
     ) -> Any:
-        """Run the module-level ``func(*args)`` on member ``to``; return its result (no directory look-up)."""
+        """Call the service registered under ``key`` and return its result.
+
+        In the owner's own process the service runs without an RPC, on copies of the arguments and the
+        result; with ``owner`` given the call goes to that member without a directory look-up.
+        """
 
     def get_group_name(self) -> str:
         """The group's name."""
@@ -93,21 +91,10 @@ def check_name(what: str, value: object) -> str:
     return value
 
 
-def register_service(group: GroupLike, key: str, service: Callable[..., Any]) -> None:
-    """Register ``service`` under ``key`` in ``group``, and for this process's accessors (``_local``).
-
-    An accessor in this process finds it with ``find_local(group, key)`` and calls it without an RPC to
-    itself; so the service must accept its own process's arguments as they are (no copy is made).
-
-    Raises:
-        KeyError: ``key`` is already registered in the group.
-    """
-    group.register(key, service)
-    register_local(group, key, service)
-
-
-def call_service(group: GroupLike, key: str, args: tuple[Any, ...], server: str) -> Any:
-    """Call a registered service in one RPC; transport failures name the server.
+def call_service(
+    group: GroupLike, key: str, args: tuple[Any, ...], server: str, owner: str | None = None
+) -> Any:
+    """Call a registered service in one RPC (none in its owner's process); transport failures name the server.
 
     Remote exceptions raised by the service itself keep their type (pc-distributed re-raises them); a dead or
     hung owner surfaces as ``ConnectionError`` or ``TimeoutError`` whose message names ``server`` and the
@@ -118,16 +105,18 @@ def call_service(group: GroupLike, key: str, args: tuple[Any, ...], server: str)
         key: The service key.
         args: Positional arguments.
         server: The server's name, for error messages.
+        owner: The member that registered ``key``, when known: the call then skips the directory.
 
     Returns:
         The service's result.
 
     Raises:
+        KeyError: No member (not ``owner``, when given) holds the service.
         ConnectionError: The owner is unreachable (e.g. it died).
         TimeoutError: The owner did not answer within the RPC timeout.
     """
     try:
-        return group.registered_sync(key, args=args)
+        return group.registered_sync(key, args=args, owner=owner)
     except ConnectionError as exc:
         raise ConnectionError(
             f"pc-server: server {server!r} is unreachable (service {key!r}): {exc}"
@@ -135,33 +124,4 @@ def call_service(group: GroupLike, key: str, args: tuple[Any, ...], server: str)
     except TimeoutError as exc:
         raise TimeoutError(
             f"pc-server: server {server!r} did not answer in time (service {key!r}): {exc}"
-        ) from exc
-
-
-def call_member(
-    group: GroupLike, member: str, func: Callable[..., Any], args: tuple[Any, ...], server: str
-) -> Any:
-    """Run ``func(*args)`` on ``member`` in one RPC, addressed by name (no service directory look-up).
-
-    Args:
-        group: The RpcGroup.
-        member: The member to run on.
-        func: A module-level function.
-        args: Positional arguments.
-        server: The server's name, for error messages.
-
-    Returns:
-        ``func``'s result.
-
-    Raises:
-        ConnectionError: ``member`` is unreachable (e.g. it died).
-        TimeoutError: ``member`` did not answer within the RPC timeout.
-    """
-    try:
-        return group.rpc_sync(member, func, args=args)
-    except ConnectionError as exc:
-        raise ConnectionError(f"pc-server: server {server!r} is unreachable on {member!r}: {exc}") from exc
-    except TimeoutError as exc:
-        raise TimeoutError(
-            f"pc-server: server {server!r} did not answer in time on {member!r}: {exc}"
         ) from exc

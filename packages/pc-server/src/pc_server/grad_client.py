@@ -5,8 +5,8 @@ A push is one RPC carrying every ``requires_grad`` parameter's gradient packed i
 rotation starting at ``crc32(seed) % n`` (the seed defaults to this process's name), so runs are reproducible;
 a transport error is retried once on the same secondary (its ``(client, seq)`` table recognises a push it
 already received, so a lost reply never applies a push twice), then once on the next secondary. A secondary
-(and an ordered server) in the client's own process is called directly, without an RPC to itself
-(``pc_server._local``).
+(and an ordered server) in the client's own process is called without an RPC to itself: ``RpcGroup`` runs
+its service in the caller's thread, on the copies an RPC would make.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from pc_server._group import GroupLike, call_service, check_group, check_name
-from pc_server._local import find_local
 from pc_server._packing import Packed, pack
 from pc_server._state import check_model, get_pp_version
 from pc_server.ledger import GradLedger
@@ -195,10 +194,7 @@ class PushPullGradServer:
         )
 
     def _call(self, service: str, args: tuple[Any, ...]) -> Any:
-        """Call a reducer's service: directly if it lives in this process (no RPC to itself), else by RPC."""
-        local = find_local(self.group, service)
-        if local is not None:
-            return local(*args)
+        """Call a reducer's service (one RPC; none when the reducer lives in this process)."""
         return call_service(self.group, service, args, self.server_name)
 
     def _reducers(self) -> list[str]:
@@ -273,10 +269,9 @@ class PushPullGradServer:
         self, index: int, grads: dict[str, torch.Tensor], client: str, seq: int, version: int
     ) -> Any:
         service = self._services[index]
-        # Over RPC the serialisation is the copy the reducer keeps, so large CPU gradients are sent as they
-        # are; a reducer in this process keeps the very tensors, so it gets a private copy.
-        local = find_local(self.group, service) is not None
-        return self._call(service, (GradMessage(pack(grads, copy=local), client, seq, version), REDUCE_SLAVE))
+        # The call copies what it sends (serialised over RPC, copied by the group in this process), and that
+        # copy is what the reducer keeps: large CPU gradients are packed as they are.
+        return self._call(service, (GradMessage(pack(grads, copy=False), client, seq, version), REDUCE_SLAVE))
 
     def pull(self, model: nn.Module) -> bool:
         """Clear the model's gradients (set to ``None``) and load the server's model if its version differs.

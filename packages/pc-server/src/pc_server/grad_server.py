@@ -28,9 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pc_server._forward import deliver_forward, register_primary
 from pc_server._grad_checkpoint import grad_state, load_grad_state
-from pc_server._group import GroupLike, call_member, check_group, register_service
+from pc_server._group import GroupLike, call_service, check_group
 from pc_server._packing import Packed
 from pc_server._primary_reducer import PrimaryReducer
 from pc_server._reducer_base import Done, Forward, ReducerHealth
@@ -159,10 +158,8 @@ class PushPullGradServerImpl:
                 (lambda: primary.version) if primary is not None else None,
             )
 
-        register_service(group, reducer_service_name(server_name, cfg.me), self._push_service)
+        group.register(reducer_service_name(server_name, cfg.me), self._push_service)
         if self._primary is not None:
-            # secondaries in other processes forward by member name through deliver_forward (no directory)
-            register_primary(group.get_group_name(), server_name, self._primary.receive)
             group.pair(
                 server_name,
                 PushPullGradServer(
@@ -406,7 +403,8 @@ class PushPullGradServerImpl:
         raise ValueError(f"unknown push level {level!r}; expected REDUCE_MASTER (0) or REDUCE_SLAVE (1)")
 
     def _forward_remote(self, forward: Forward | Done, age: float) -> int:
-        """One RPC to the primary's process, addressed by member name (no service-directory look-up)."""
+        """One RPC to the primary's service, addressed to its member: no directory look-up in the store."""
         cfg = self.config
-        args = (self.group.get_group_name(), cfg.server_name, forward, age)
-        return int(call_member(self.group, cfg.primary_reducer, deliver_forward, args, cfg.server_name))
+        service = reducer_service_name(cfg.server_name, cfg.primary_reducer)
+        args = ((forward, age), REDUCE_MASTER)
+        return int(call_service(self.group, service, args, cfg.server_name, owner=cfg.primary_reducer))

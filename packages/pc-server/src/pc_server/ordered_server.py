@@ -7,7 +7,8 @@
     OrderedServerSimple.push  --1 RPC-->   <name>/_push_service  -> VersionedStore.push (CAS under a lock)
     OrderedServerSimple.pull  --1 RPC-->   <name>/_pull_service  -> VersionedStore.pull
                                            the reply is serialised: the client gets a snapshot
-    accessor in the serving process   -->  the Impl's in-process methods (snapshots both ways, no RPC)
+    accessor in the serving process   -->  the same services, run by RpcGroup without an RPC
+                                           (on copies both ways, as an RPC would deliver them)
 
 The accessor is a picklable pair ``(server_name, group)``; the Impl pairs one under ``server_name`` so clients
 can fetch it with ``group.get_paired(server_name).to_here()``.
@@ -22,7 +23,6 @@ from typing import Any
 from pc_server._checkpoint import check_state, header
 from pc_server._copy import snapshot
 from pc_server._group import GroupLike, call_service, check_group, check_name
-from pc_server._local import find_local, register_local
 from pc_server._versioned import PullResult, PushResult, VersionedStore
 
 __all__ = ["OrderedServerBase", "OrderedServerSimple", "OrderedServerSimpleImpl"]
@@ -82,8 +82,8 @@ def _service_names(server_name: str) -> tuple[str, str, str]:
 class OrderedServerSimple(OrderedServerBase):
     """Accessor to an :class:`OrderedServerSimpleImpl`; ``push`` and ``pull`` are one RPC each.
 
-    In the server's own process (an accessor on the live group the Impl serves) they call the Impl directly,
-    with the copies a serialisation would make, instead of an RPC to the process itself.
+    In the server's own process the group runs the service without an RPC to the process itself, on the
+    copies an RPC would make (``RpcGroup.registered_sync``).
 
     Get it with ``group.get_paired(server_name).to_here()`` or build it directly; it is picklable. Safe to
     share between threads: it holds only the server's name and group.
@@ -107,11 +107,6 @@ class OrderedServerSimple(OrderedServerBase):
 
     def __repr__(self) -> str:
         return f"OrderedServerSimple(server_name={self.server_name!r})"
-
-    def _local(self) -> OrderedServerSimpleImpl | None:
-        """The server itself when it lives in this process and serves this accessor's live group."""
-        found = find_local(self.group, self.server_name)
-        return found if isinstance(found, OrderedServerSimpleImpl) else None
 
     def push(self, key: Any, value: Any, version: Any, prev_version: Any) -> bool:
         """Compare-and-set push (see :meth:`OrderedServerBase.push`); one RPC (none in the server's process).
@@ -143,9 +138,6 @@ class OrderedServerSimple(OrderedServerBase):
         Returns:
             ``(accepted, head, newest)``.
         """
-        local = self._local()
-        if local is not None:  # the copies a serialisation would make: of the value and of the newest entry
-            return local.push_result(key, value, version, prev_version, want_newest=want_newest)
         reply = call_service(
             self.group, self._push_key, (key, value, version, prev_version, want_newest), self.server_name
         )
@@ -158,9 +150,6 @@ class OrderedServerSimple(OrderedServerBase):
             ConnectionError: The serving process is unreachable.
             TimeoutError: It did not answer within the RPC timeout.
         """
-        local = self._local()
-        if local is not None:
-            return local.pull(key, version)  # a snapshot
         reply = call_service(self.group, self._pull_key, (key, version), self.server_name)
         return None if reply is None else (reply[0], reply[1])
 
@@ -175,9 +164,6 @@ class OrderedServerSimple(OrderedServerBase):
             ``None`` if the key is absent, else ``(fresh, value, version)`` with ``value=None`` when not
             fresh.
         """
-        local = self._local()
-        if local is not None:
-            return local.pull_if_newer(key, known_version)  # a snapshot
         reply = call_service(self.group, self._pull_newer_key, (key, known_version), self.server_name)
         return None if reply is None else PullResult(*reply)
 
@@ -213,7 +199,6 @@ class OrderedServerSimpleImpl:
         group.register(push_key, self._push_service)
         group.register(pull_key, self._pull_service)
         group.register(pull_newer_key, self._pull_if_newer_service)
-        register_local(group, server_name, self)  # accessors in this process call it directly
         group.pair(server_name, OrderedServerSimple(server_name, group))
         logger.debug("ordered server %r serving on %r", server_name, group.get_cur_name())
 

@@ -1,4 +1,8 @@
-"""What runs on the far side of an RPC: per-process tables of paired values and services, and envelopes.
+"""What runs on the owner's side of a call: the tables of paired values and services, and envelopes.
+
+The tables of every live RPC group of a process belong to its World (:class:`ProcessTables`); an incoming
+RPC finds them through the process's current World. A call of a service this process owns runs the same
+:func:`run_service` without an RPC, on :func:`copy_as_sent` copies.
 
 RPC targets never raise. They return an envelope: ``(OK, value)``, ``(ERR, exception, traceback_text)`` or
 ``(MISSING,)`` when this process does not own the key (a stale cache entry on the caller). The caller's side
@@ -15,12 +19,17 @@ RPC error path would turn every exception into a string.
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from pc_distributed._errors import format_exception, portable_exception, reraise_remote
+from pc_distributed._host import current_world
 
 __all__ = [
     "ERR",
@@ -31,12 +40,12 @@ __all__ = [
     "VALUE",
     "GroupTables",
     "MissingOnOwner",
+    "ProcessTables",
     "call_func",
     "call_service",
-    "drop_tables",
-    "get_tables",
-    "install_tables",
+    "copy_as_sent",
     "paired_value",
+    "run_service",
     "unwrap",
 ]
 
@@ -80,26 +89,38 @@ class GroupTables:
             self.settled.wait_for(lambda: (kind, key) not in self.pending, timeout=SETTLE_TIMEOUT)
 
 
-_TABLES: dict[str, GroupTables] = {}
-_TABLES_LOCK = threading.Lock()
+class ProcessTables:
+    """The tables of every live RPC group of this process, by group name: what a World owns for its groups.
+
+    The RPC targets below reach them through the process's current World (the one process-wide pointer,
+    ``_host.current_world``): torch runs an incoming call as a module-level function, with nothing but its
+    arguments.
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[str, GroupTables] = {}
+        self._lock = threading.Lock()
+
+    def install(self, group: str) -> GroupTables:
+        """Create (or return) the tables of ``group``."""
+        with self._lock:
+            return self._tables.setdefault(group, GroupTables())
+
+    def get(self, group: str) -> GroupTables | None:
+        """The tables of ``group``, or None."""
+        with self._lock:
+            return self._tables.get(group)
+
+    def drop(self, group: str) -> GroupTables | None:
+        """Remove and return the tables of ``group``."""
+        with self._lock:
+            return self._tables.pop(group, None)
 
 
-def install_tables(group: str) -> GroupTables:
-    """Create (or return) this process's tables for ``group``."""
-    with _TABLES_LOCK:
-        return _TABLES.setdefault(group, GroupTables())
-
-
-def get_tables(group: str) -> GroupTables | None:
-    """This process's tables for ``group``, or None."""
-    with _TABLES_LOCK:
-        return _TABLES.get(group)
-
-
-def drop_tables(group: str) -> GroupTables | None:
-    """Remove and return this process's tables for ``group``."""
-    with _TABLES_LOCK:
-        return _TABLES.pop(group, None)
+def _tables_of(group: str) -> GroupTables | None:
+    world = current_world()
+    tables: GroupTables | None = None if world is None else world.rpc_tables.get(group)
+    return tables
 
 
 def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Envelope:
@@ -110,8 +131,14 @@ def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 
 def call_service(group: str, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Envelope:
-    """RPC target: run the service registered under ``key`` on this process's live object."""
-    tables = get_tables(group)
+    """RPC target: run the service registered under ``key`` in ``group`` on this process's live object."""
+    return run_service(_tables_of(group), key, args, kwargs)
+
+
+def run_service(
+    tables: GroupTables | None, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Envelope:
+    """Run the service registered under ``key`` in ``tables`` (None: a group this process does not hold)."""
     if tables is None:
         return (MISSING,)
     with tables.lock:
@@ -123,8 +150,8 @@ def call_service(group: str, key: str, args: tuple[Any, ...], kwargs: dict[str, 
 
 
 def paired_value(group: str, key: str) -> Envelope:
-    """RPC target: the value paired under ``key`` on this process."""
-    tables = get_tables(group)
+    """RPC target: the value paired under ``key`` in ``group`` on this process."""
+    tables = _tables_of(group)
     if tables is None:
         return (MISSING,)
     with tables.lock:
@@ -157,3 +184,46 @@ def unwrap(envelope: Envelope, where: str, copy_value: bool = False) -> Any:
     if status == ERR:
         raise reraise_remote(envelope[1], envelope[2], where)
     raise MissingOnOwner(where)
+
+
+class _CopyPickler(pickle.Pickler):
+    """Pickles like RPC does, but hands plain tensors aside as clones (one copy, no bytes in between)."""
+
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._tensors = tensors
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if type(obj) is not torch.Tensor:
+            return None
+        clone = obj.detach().clone()
+        if obj.requires_grad:
+            clone.requires_grad_(True)
+        self._tensors.append(clone)
+        return len(self._tensors) - 1
+
+
+class _CopyUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        return self._tensors[int(pid)]
+
+
+def copy_as_sent(value: Any) -> Any:
+    """The copy of ``value`` that an RPC to another process would deliver, made without leaving this one.
+
+    A pickle round trip (so what RPC cannot send raises the same pickling error here) in which each tensor is
+    cloned once instead of being serialised to bytes and back; a tensor that requires grad arrives as a leaf
+    that requires grad, as over RPC outside a distributed autograd context.
+
+    Raises:
+        TypeError: (or pickle's own error) If ``value`` holds something that cannot be pickled.
+    """
+    tensors: list[torch.Tensor] = []
+    buffer = io.BytesIO()
+    _CopyPickler(buffer, tensors).dump(value)
+    buffer.seek(0)
+    return _CopyUnpickler(buffer, tensors).load()

@@ -58,7 +58,7 @@ def _child_main(
     deadline_wall: float,
 ) -> None:
     os.environ.update(env)
-    from pc_distributed.world import World
+    from pc_distributed.world.world import World
 
     message: tuple[Any, ...]
     world: World | None = None

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pc_distributed.dp_comm import wait_work
+from pc_distributed.parallel._comm import wait_work
 
 __all__ = ["Bucket", "GradReducer", "make_buckets"]
 

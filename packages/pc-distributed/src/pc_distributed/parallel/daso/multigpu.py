@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pc_distributed.daso import DASO
-from pc_distributed.dp_comm import CommLike, broadcast_tensors, check_replicas, resolve_group
+from pc_distributed.parallel._comm import CommLike, broadcast_tensors, check_replicas, resolve_group
+from pc_distributed.parallel.daso.daso import DASO
 
 __all__ = ["DataParallelMultiGPU"]
 

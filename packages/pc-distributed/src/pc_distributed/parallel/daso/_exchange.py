@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pc_distributed.daso_topology import DasoTopology
-from pc_distributed.dp_comm import broadcast_tensors, wait_work
+from pc_distributed.parallel._comm import broadcast_tensors, wait_work
+from pc_distributed.parallel.daso._topology import DasoTopology
 
 __all__ = ["Exchange", "complete_exchange", "flatten", "staleness_merge", "start_exchange"]
 

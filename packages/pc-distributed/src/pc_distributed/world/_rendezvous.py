@@ -16,10 +16,10 @@ from typing import Any
 
 from pc_distributed import _torch_dist
 from pc_distributed._bounded import BoundedStore, call_bounded
-from pc_distributed._env import WorldSpec
-from pc_distributed._rpc_store import rpc_url_for_store
 from pc_distributed._store import wait_keys
 from pc_distributed._store_waits import WaitStores
+from pc_distributed.world._env import WorldSpec
+from pc_distributed.world._rpc_store import rpc_url_for_store
 
 __all__ = ["Connection", "connect", "publish_name"]
 

@@ -1,9 +1,9 @@
-"""The thin torch.distributed layer under DataParallel and DASO: groups, state broadcast, replica checks.
+"""The collectives DataParallel and DASO issue on a process group: the group, state broadcast, replica checks.
 
-Everything that talks to ``torch.distributed`` on behalf of the data-parallel classes lives here, so a change
-in torch touches one file. Only public torch APIs are used: ranks are translated with
-``dist.get_global_rank``, and tensors are flattened with ``torch.cat`` rather than the private
-``torch._utils`` helpers.
+The data-parallel classes talk to ``torch.distributed`` through these functions. Only public torch APIs are
+used (ranks are translated with ``dist.get_global_rank``, tensors flattened with ``torch.cat`` rather than the
+private ``torch._utils`` helpers); anything private or version-specific belongs in
+:mod:`pc_distributed._torch_dist`, the package's one torch-facing module.
 """
 
 from __future__ import annotations

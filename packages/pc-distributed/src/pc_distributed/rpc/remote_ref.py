@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pc_distributed._checks import optional_timeout
-from pc_distributed._remote import MissingOnOwner, unwrap
 from pc_distributed._transport import transport_error
+from pc_distributed.rpc._remote import MissingOnOwner, unwrap
 
 __all__ = ["RemoteRef"]
 

@@ -29,15 +29,21 @@ from torch import nn
 
 from pc_distributed._checks import bool_flag, int_at_least, optional_timeout
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed.daso_exchange import Exchange, complete_exchange, flatten, staleness_merge, start_exchange
-from pc_distributed.daso_schedule import PlateauDetector, SkipState, next_skips, phase_of
-from pc_distributed.daso_topology import DasoTopology, build_topology, default_local_size
-from pc_distributed.dp_comm import (
+from pc_distributed.parallel._comm import (
     CommLike,
     group_size,
     resolve_group,
     to_timedelta,
 )
+from pc_distributed.parallel.daso._exchange import (
+    Exchange,
+    complete_exchange,
+    flatten,
+    staleness_merge,
+    start_exchange,
+)
+from pc_distributed.parallel.daso._schedule import PlateauDetector, SkipState, next_skips, phase_of
+from pc_distributed.parallel.daso._topology import DasoTopology, build_topology, default_local_size
 
 __all__ = ["DASO", "staleness_merge"]
 

@@ -1,9 +1,10 @@
 """RpcGroup: named RPC members with a single-owner directory of paired values and registered services.
 
 A live group holds the World it was created by (given at creation) and, through it, the store of its
-directory (``_rpc_directory``). The value or service itself lives only in the owner's locked local table
-(``_remote``). A call to a service is one RPC when the owner is cached; an owner that lost the key answers
-"missing", and the caller looks up again and retries once (``_rpc_calls``; ``registered_sync`` waits in the
+directory (``_directory``). The value or service itself lives only in the owner's locked local table
+(``_remote``), which the owner's World holds. A call to a service (a ``ServiceCall`` of ``_calls``) is one
+RPC when the owner is cached or given, and none when the owner is this process; an owner that lost the key
+answers "missing", and the caller looks up again and retries once (``registered_sync`` waits in the
 caller's thread, as a raw ``rpc_sync`` does).
 
 Keys may be any value whose ``repr`` is the same in every process (strings, ints, tuples of those).
@@ -19,22 +20,21 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from pc_distributed import _remote
 from pc_distributed._host import GroupHost, current_world
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed._remote import SERVICE, VALUE, unwrap
-from pc_distributed._rpc_calls import call_owner, call_owner_sync, invoke
-from pc_distributed._rpc_directory import Directory
-from pc_distributed._rpc_join import check_group_args, join_group
 from pc_distributed._store import store_barrier
 from pc_distributed._transport import chain_future, check_call_args, resolve_timeout
-from pc_distributed.remote_ref import RemoteRef
+from pc_distributed.rpc._calls import ServiceCall, invoke
+from pc_distributed.rpc._directory import Directory
+from pc_distributed.rpc._join import check_group_args, join_group
+from pc_distributed.rpc._remote import SERVICE, VALUE, GroupTables, call_func, paired_value, unwrap
+from pc_distributed.rpc.remote_ref import RemoteRef
 
 __all__ = ["RpcGroup", "create_rpc_group"]
 
-# What the elements of each payload are, to name an unpicklable one: a call (func, args, kwargs), a service
-# call (group, key, args, kwargs), a paired-value look-up (group, key).
-_PAYLOAD_PARTS = {3: ("func", "args", "kwargs"), 4: ("group", "key", "args", "kwargs"), 2: ("group", "key")}
+# What the elements of each payload are, to name an unpicklable one: a call (func, args, kwargs), a
+# paired-value look-up (group, key); a service call names its own (``_calls``).
+_PAYLOAD_PARTS = {3: ("func", "args", "kwargs"), 2: ("group", "key")}
 
 
 class RpcGroup:
@@ -70,7 +70,9 @@ class RpcGroup:
         self._barrier_gen = 0
         self._barrier_one_thread = OneThreadAtATime(f"RPC group {group_name!r}")
         self._directory: Directory | None = None
-        self._tables = _remote.install_tables(group_name) if first_create else None
+        self._tables: GroupTables | None = None
+        if first_create:
+            self._tables = self._world().rpc_tables.install(group_name)
 
     # -- plumbing ---
     def _world(self) -> GroupHost:
@@ -88,7 +90,7 @@ class RpcGroup:
     def _seconds(self, timeout: float | None) -> float:
         return resolve_timeout(timeout, self._world().rpc_timeout)
 
-    def _local(self, what: str) -> _remote.GroupTables:
+    def _local(self, what: str) -> GroupTables:
         if self.destroyed:
             raise RuntimeError(f"RpcGroup {self.group_name!r} has been destroyed")
         if not self._live or self._tables is None:
@@ -98,13 +100,12 @@ class RpcGroup:
             )
         return self._tables
 
-    def _not_found(self, kind: str, key: Any) -> KeyError:
-        label = "Service" if kind == SERVICE else "Value"
-        return KeyError(f"{label} with key [{key}] not found on Group [{self.group_name}]")
+    def _value_not_found(self, key: Any) -> KeyError:
+        return KeyError(f"Value with key [{key}] not found on Group [{self.group_name}]")
 
-    def _check_target(self, to: object) -> str:
+    def _check_target(self, to: object, label: str = "to") -> str:
         if not isinstance(to, str):
-            raise TypeError(f"to must be a member name (str), got {type(to).__name__} {to!r}")
+            raise TypeError(f"{label} must be a member name (str), got {type(to).__name__} {to!r}")
         if to not in self.group_members:
             raise ValueError(
                 f"RPC target {to!r} is not a member of group {self.group_name!r}: {self.group_members}"
@@ -118,18 +119,22 @@ class RpcGroup:
             raise RuntimeError(f"RpcGroup {self.group_name!r} has been destroyed")
         return invoke(self._world(), method, to, func, args, timeout, _PAYLOAD_PARTS.get(len(args), ()))
 
-    def _owner_call(
-        self, key: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, timeout: float | None, method: Any
-    ) -> tuple[Callable[[bool], str | None], Callable[[str], Any], Callable[[], KeyError]]:
-        """A service call's owner look-up, send (with ``method``) and not-found error (see ``_rpc_calls``)."""
+    def _service_call(
+        self,
+        key: Any,
+        args: Sequence[Any],
+        kwargs: dict[str, Any] | None,
+        timeout: float | None,
+        owner: str | None,
+    ) -> ServiceCall:
+        if self.destroyed:
+            raise RuntimeError(f"RpcGroup {self.group_name!r} has been destroyed")
         call_args, call_kwargs = check_call_args(args, kwargs)
         seconds = self._seconds(timeout)
-        ktext = repr(key)
-        payload = (self.group_name, ktext, call_args, call_kwargs)
-        return (
-            lambda refresh: self._dir().owner(SERVICE, ktext, refresh),
-            lambda owner: self._invoke(method, owner, _remote.call_service, payload, seconds),
-            lambda: self._not_found(SERVICE, key),
+        if owner is not None:
+            owner = self._check_target(owner, "owner")
+        return ServiceCall(
+            self._world(), self._dir(), self.group_name, key, call_args, call_kwargs, seconds, owner
         )
 
     # -- pairing ---
@@ -169,10 +174,10 @@ class RpcGroup:
         ktext = repr(key)
         owner = self._dir().owner(VALUE, ktext, refresh=True)
         if owner is None:
-            raise self._not_found(VALUE, key)
+            raise self._value_not_found(key)
         payload = (self.group_name, ktext)
-        rref = self._invoke(rpc.remote, owner, _remote.paired_value, payload, self._seconds(None))
-        return RemoteRef(rref, owner, lambda: self._not_found(VALUE, key))
+        rref = self._invoke(rpc.remote, owner, paired_value, payload, self._seconds(None))
+        return RemoteRef(rref, owner, lambda: self._value_not_found(key))
 
     # -- services ---
     def register(self, key: Any, service: Callable[..., Any]) -> None:
@@ -211,22 +216,35 @@ class RpcGroup:
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
+        *,
+        owner: str | None = None,
     ) -> Any:
-        """Call the service ``key`` on its owner and return its result (one RPC when the owner is cached).
+        """Call the service ``key`` on its owner and return its result (one RPC when the owner is known).
+
+        When the owner is this process the service runs here, in the caller's thread, without an RPC to
+        itself; the arguments and the result are still copied as an RPC would copy them (a pickle round
+        trip, tensors cloned once), so the caller never shares an object with the service, and what cannot
+        be pickled raises the same ``TypeError``. That call is not bounded by ``timeout``: the caller's
+        thread runs the service itself.
 
         Args:
             key: Key of the registered service.
             args: Positional arguments.
             kwargs: Keyword arguments.
             timeout: Seconds of each attempt (None or -1: the World's ``rpc_timeout``).
+            owner: The member that registered ``key``, when the caller knows it: the call goes there
+                directly, without asking the group's directory (no store request), and is not retried
+                elsewhere.
 
         Raises:
-            KeyError: If no service is registered under ``key``.
+            KeyError: If no service is registered under ``key`` (or ``owner`` does not hold it).
+            ValueError: If ``owner`` is not a member.
+            TypeError: If an argument or the result cannot be pickled (the message names it).
             TimeoutError: If the owner did not answer in time.
             ConnectionError: If the owner is unreachable (e.g. dead).
             Exception: The service's exception, original type, remote traceback as ``__cause__``.
         """
-        return call_owner_sync(*self._owner_call(key, args, kwargs, timeout, rpc.rpc_sync))
+        return self._service_call(key, args, kwargs, timeout, owner).sync()
 
     def registered_async(
         self,
@@ -234,13 +252,17 @@ class RpcGroup:
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
+        *,
+        owner: str | None = None,
     ) -> torch.futures.Future[Any]:
         """Call the service ``key`` asynchronously; ``wait()`` on the future returns its result or raises.
 
-        Errors are those of :meth:`registered_sync`, raised by ``wait()``; the future completes within the
-        timeout of each attempt (a dead owner ends it with ``ConnectionError`` or ``TimeoutError``).
+        Always one RPC, also when this process is the owner (the service runs on an RPC thread while the
+        caller goes on). Errors are those of :meth:`registered_sync`, raised by ``wait()``; the future
+        completes within the timeout of each attempt (a dead owner ends it with ``ConnectionError`` or
+        ``TimeoutError``). ``owner``: as in :meth:`registered_sync`.
         """
-        return call_owner(*self._owner_call(key, args, kwargs, timeout, rpc.rpc_async))
+        return self._service_call(key, args, kwargs, timeout, owner).future()
 
     def registered_remote(
         self,
@@ -248,22 +270,18 @@ class RpcGroup:
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
+        *,
+        owner: str | None = None,
     ) -> RemoteRef:
         """Run the service ``key`` on its owner; return a :class:`RemoteRef` to the result.
+
+        ``owner``: as in :meth:`registered_sync`.
 
         Raises:
             KeyError: If no service is registered under ``key`` (raised here, or by ``to_here()`` when the
                 owner dropped it meanwhile).
         """
-        call_args, call_kwargs = check_call_args(args, kwargs)
-        seconds = self._seconds(timeout)
-        ktext = repr(key)
-        owner = self._dir().owner(SERVICE, ktext, refresh=True)
-        if owner is None:
-            raise self._not_found(SERVICE, key)
-        payload = (self.group_name, ktext, call_args, call_kwargs)
-        rref = self._invoke(rpc.remote, owner, _remote.call_service, payload, seconds)
-        return RemoteRef(rref, owner, lambda: self._not_found(SERVICE, key))
+        return self._service_call(key, args, kwargs, timeout, owner).remote()
 
     # -- plain calls ---
     def rpc_sync(
@@ -290,7 +308,7 @@ class RpcGroup:
         to = self._check_target(to)
         call_args, call_kwargs = check_call_args(args, kwargs)
         payload = (func, call_args, call_kwargs)
-        envelope = self._invoke(rpc.rpc_sync, to, _remote.call_func, payload, self._seconds(timeout))
+        envelope = self._invoke(rpc.rpc_sync, to, call_func, payload, self._seconds(timeout))
         return unwrap(envelope, f"process {to!r}")
 
     def rpc_async(
@@ -305,7 +323,7 @@ class RpcGroup:
         to = self._check_target(to)
         call_args, call_kwargs = check_call_args(args, kwargs)
         payload = (func, call_args, call_kwargs)
-        raw = self._invoke(rpc.rpc_async, to, _remote.call_func, payload, self._seconds(timeout))
+        raw = self._invoke(rpc.rpc_async, to, call_func, payload, self._seconds(timeout))
         return chain_future(raw, to, lambda envelope: unwrap(envelope, f"process {to!r}"))
 
     def remote(
@@ -320,7 +338,7 @@ class RpcGroup:
         to = self._check_target(to)
         call_args, call_kwargs = check_call_args(args, kwargs)
         payload = (func, call_args, call_kwargs)
-        rref = self._invoke(rpc.remote, to, _remote.call_func, payload, self._seconds(timeout))
+        rref = self._invoke(rpc.remote, to, call_func, payload, self._seconds(timeout))
         return RemoteRef(rref, to, lambda: KeyError(f"result not found on {to!r}"))
 
     # -- membership ---
@@ -354,10 +372,11 @@ class RpcGroup:
         self.destroyed = True
         if not self._live:
             return
-        tables = _remote.drop_tables(self.group_name)
         if self._host is None and current_world() is None:
             return
-        self._world().detach_rpc_group(self.group_name, self)
+        world = self._world()
+        tables = world.rpc_tables.drop(self.group_name)
+        world.detach_rpc_group(self.group_name, self)
         if tables is not None:
             self._dir().release_all(tables)
 

@@ -15,8 +15,8 @@ import threading
 from typing import Any
 
 from pc_distributed._host import GroupHost, StoreClient
-from pc_distributed._remote import SERVICE, VALUE, GroupTables
 from pc_distributed._store import claim, lookup, release
+from pc_distributed.rpc._remote import SERVICE, VALUE, GroupTables
 
 __all__ = ["Directory", "claim_entry", "release_entry"]
 

@@ -13,19 +13,19 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+import pc_distributed.collective._multigpu as _multigpu
 from pc_distributed import _torch_dist
 from pc_distributed._host import GroupHost
-from pc_distributed._multigpu import MultiGpuOps
 from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._store import wait_keys
-from pc_distributed._work import RecvHandle
+from pc_distributed.collective._work import RecvHandle
 
 __all__ = ["CollectiveGroup", "RecvHandle", "create_collective_group"]
 
 ReduceOp = dist.ReduceOp
 
 
-class CollectiveGroup(MultiGpuOps):
+class CollectiveGroup:
     """A thin wrapper of torch.distributed's collectives on one process group; ranks are global, as in torch.
 
     Do not construct it yourself: use :meth:`World.create_collective_group`, which every world rank must call.
@@ -168,6 +168,57 @@ class CollectiveGroup(MultiGpuOps):
         """Synchronise all members."""
         with self._one_thread("barrier"):
             return dist.barrier(group=self._pg(), async_op=async_op)
+
+    # -- the *_multigpu collectives (removed from torch in 2.2) over a per-process list of tensors ---
+    def all_reduce_multigpu(
+        self, tensor_list: list[torch.Tensor], op: Any = ReduceOp.SUM, async_op: bool = False
+    ) -> Any:
+        """All-reduce over every tensor of every member's ``tensor_list``; all of them get the result.
+
+        The list is reduced locally into ``tensor_list[0]``, one collective runs, and the result is copied
+        back to the other entries. ``ReduceOp.AVG`` divides by ``size() * len(tensor_list)``.
+        """
+        pg = self._pg()
+        with self._one_thread("all_reduce_multigpu"):
+            return _multigpu.all_reduce_multigpu(pg, tensor_list, op, async_op)
+
+    def broadcast_multigpu(
+        self, tensor_list: list[torch.Tensor], src: int, async_op: bool = False, src_tensor: int = 0
+    ) -> Any:
+        """Broadcast ``tensor_list[src_tensor]`` of global rank ``src`` to every tensor of every member."""
+        pg = self._pg()
+        self._check_rank("src", src)
+        with self._one_thread("broadcast_multigpu"):
+            return _multigpu.broadcast_multigpu(pg, tensor_list, src, async_op, src_tensor)
+
+    def reduce_multigpu(
+        self,
+        tensor_list: list[torch.Tensor],
+        dst: int,
+        op: Any = ReduceOp.SUM,
+        async_op: bool = False,
+        dst_tensor: int = 0,
+    ) -> Any:
+        """Reduce every tensor of every member onto ``tensor_list[dst_tensor]`` of global rank ``dst``."""
+        pg = self._pg()
+        self._check_rank("dst", dst)
+        with self._one_thread("reduce_multigpu"):
+            return _multigpu.reduce_multigpu(pg, tensor_list, dst, op, async_op, dst_tensor)
+
+    def all_gather_multigpu(
+        self,
+        output_tensor_lists: list[list[torch.Tensor]],
+        input_tensor_list: list[torch.Tensor],
+        async_op: bool = False,
+    ) -> Any:
+        """Gather every member's ``input_tensor_list`` into each ``output_tensor_lists[i]``.
+
+        Rank ``k``'s ``input_tensor_list[j]`` lands at ``output_tensor_lists[i][k * len(input_tensor_list) +
+        j]`` (``k`` is the group rank; torch's old docs wrote ``k * world_size + j``, which was an error).
+        """
+        pg = self._pg()
+        with self._one_thread("all_gather_multigpu"):
+            return _multigpu.all_gather_multigpu(pg, output_tensor_lists, input_tensor_list, async_op)
 
     def __reduce__(self) -> NoReturn:
         raise TypeError("CollectiveGroup wraps a process group of this process and cannot be pickled")

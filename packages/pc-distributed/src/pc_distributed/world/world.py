@@ -1,43 +1,52 @@
 """The per-process :class:`World`: a named member of a process group and an RPC network, plus its accessors.
 
 Construction is transactional (store, then process group, then RPC; a failure undoes what was done, in
-reverse); the bounded start lives in ``_rendezvous``, the bounded store part of :meth:`World.stop` in
-``_stop``. The store (a ``TCPStore`` served by rank 0, by torchrun's agent or by
-:func:`~pc_distributed.run_world`) also holds the rank/name table, the RPC groups' directories and every
-barrier. A TCPStore client runs one request at a time, so the World keeps three kinds of connection to it:
-``store`` for short requests (look-ups, claims, arrivals), ``waits`` (one connection per blocking wait, see
-``_store_waits``) and one of the process group's own; no thread's wait ever stalls another thread's request.
+reverse); the bounded start lives in ``_rendezvous``. :meth:`World.stop` leaves through the store within a
+bound of its own: torch's store requests other than ``wait`` have no deadline, and against a store whose host
+is partitioned away or frozen they would block until TCP gives up (about 15 minutes). The store (a
+``TCPStore`` served by rank 0, by torchrun's agent or by :func:`~pc_distributed.run_world`) also holds the
+rank/name table, the RPC groups' directories and every barrier. A TCPStore client runs one request at a time,
+so the World keeps three kinds of connection to it: ``store`` for short requests (look-ups, claims,
+arrivals), ``waits`` (one connection per blocking wait, see ``_store_waits``) and one of the process group's
+own; no thread's wait ever stalls another thread's request.
 
-The World holds its groups and hands itself to them at creation (they see it through the ``GroupHost``
-protocol of ``_host`` and never import this module). Timeouts follow the package's convention
-(``_transport``): ``None`` is the World's default, ``-1`` another name for it.
+The World owns what lives as long as it does: its RPC groups, their tables of paired values and services
+(:attr:`World.rpc_tables`, what incoming calls run on) and its collective groups. It hands itself to the
+groups at creation (they see it through the ``GroupHost`` protocol of ``_host`` and never import this
+module). Timeouts follow the package's convention (``_transport``): ``None`` is the World's default, ``-1``
+another name for it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any, NoReturn
 
 from pc_distributed import _torch_dist
-from pc_distributed._bounded import BoundedStore
+from pc_distributed._bounded import BoundedStore, call_bounded
 from pc_distributed._checks import int_in_range, positive_seconds
-from pc_distributed._env import check_name, resolve_world_spec
 from pc_distributed._host import clear_world, current_world, install_world
-from pc_distributed._interfaces import InterfaceEnv, check_interface
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed._rendezvous import Connection, connect, publish_name
-from pc_distributed._stop import STOP_STORE_MARGIN, leave_store
+from pc_distributed._store import store_barrier
 from pc_distributed._store_waits import WaitStores
 from pc_distributed._transport import resolve_timeout
-from pc_distributed.collective import CollectiveGroup, create_collective_group
-from pc_distributed.rpc_group import RpcGroup, create_rpc_group
+from pc_distributed.collective.group import CollectiveGroup, create_collective_group
+from pc_distributed.rpc._remote import ProcessTables
+from pc_distributed.rpc.group import RpcGroup, create_rpc_group
+from pc_distributed.world._env import check_name, resolve_world_spec
+from pc_distributed.world._interfaces import InterfaceEnv, check_interface
+from pc_distributed.world._rendezvous import Connection, connect, publish_name
 
 __all__ = ["STOP_STORE_MARGIN", "World", "get_cur_name", "get_cur_rank", "get_world", "is_world_initialized"]
 
 logger = logging.getLogger(__name__)
+
+# Seconds World.stop gives its store requests beyond its own barrier timeout before it leaves without them.
+STOP_STORE_MARGIN = 2.0
 
 
 class World:
@@ -116,6 +125,7 @@ class World:
         self.init_rpc = bool(init_rpc)
         self.rpc_busy_poll = bool(rpc_busy_poll)
         self._rpc_groups: dict[str, RpcGroup] = {}
+        self._rpc_tables = ProcessTables()
         self._rpc_instances: dict[str, int] = {}
         self._collective_groups: list[CollectiveGroup] = []
         self._lock = threading.RLock()
@@ -185,6 +195,11 @@ class World:
     def waits(self) -> WaitStores:
         """The clients for blocking store waits (one connection per wait); ``RuntimeError`` after stop."""
         return self._connection().waits
+
+    @property
+    def rpc_tables(self) -> ProcessTables:
+        """The paired values and services of this process's RPC groups (what incoming calls run on)."""
+        return self._rpc_tables
 
     # -- accessors ---
     def get_ranks(self) -> list[int]:
@@ -346,10 +361,7 @@ class World:
             self._stopped = True
             groups = list(self._rpc_groups.values())
         try:
-            conn = self._connection()
-            graceful = leave_store(
-                self.name, conn.store, conn.waits, self._names, groups, self.init_rpc, timeout, graceful
-            )
+            graceful = self._leave_store(groups, timeout, graceful)
             if self.init_rpc:
                 _torch_dist.shutdown_rpc(graceful, timeout)
             if self.init_dist:
@@ -361,6 +373,57 @@ class World:
             if self._ifenv is not None:
                 self._ifenv.restore()
             clear_world(self)
+
+    def _leave_store(self, groups: list[RpcGroup], timeout: float, graceful: bool) -> bool:
+        """Destroy the RPC groups, then (with RPC) meet every rank; return whether RPC may stop gracefully.
+
+        Bounded as a whole by ``timeout + STOP_STORE_MARGIN`` (:func:`~pc_distributed._bounded.call_bounded`):
+        a store that does not answer is left behind with a ``RuntimeWarning`` and RPC then shuts down
+        non-gracefully.
+        """
+
+        def run() -> bool:
+            for group in groups:
+                try:
+                    group.destroy()
+                except Exception as exc:
+                    logger.debug("destroying RPC group %r failed: %r", group.get_group_name(), exc)
+            if not self.init_rpc:
+                return graceful
+            return self._stop_barrier(timeout, wait=graceful)
+
+        try:
+            return call_bounded(run, timeout + STOP_STORE_MARGIN, f"World.stop of {self.name!r}: the store")
+        except TimeoutError as exc:
+            warnings.warn(
+                f"{exc}; leaving without it (RPC shuts down non-gracefully)", RuntimeWarning, stacklevel=3
+            )
+            return False
+
+    def _stop_barrier(self, timeout: float, wait: bool) -> bool:
+        """Meet every rank in ``stop`` through the store; return whether RPC may stop gracefully.
+
+        torch's graceful shutdown waits for a dead peer with the store's timeout, not the one passed to it;
+        this barrier notices a missing rank within ``timeout`` instead. A rank that leaves non-gracefully
+        (``wait`` is False) still arrives, and marks the stop as abandoned so that the others do not wait for
+        it in torch's shutdown either.
+        """
+        conn = self._connection()
+        store = conn.store
+        try:
+            if not wait:
+                store.set("world/stop_abandoned", self.name)
+            store_barrier(store, conn.waits, "world/stop", 0, self.name, self._names, timeout, wait=wait)
+            if wait and store.check(["world/stop_abandoned"]):
+                logger.info("World.stop: a rank left non-gracefully; shutting RPC down non-gracefully")
+                return False
+            return wait
+        except (TimeoutError, RuntimeError, OSError) as exc:
+            if wait:
+                warnings.warn(
+                    f"World.stop: {exc}; shutting RPC down non-gracefully", RuntimeWarning, stacklevel=4
+                )
+            return False
 
     def __reduce__(self) -> NoReturn:
         raise TypeError("World is a per-process object and cannot be pickled or sent to another process")

@@ -3,6 +3,11 @@
 torch's RPC opens its rendezvous store from an init-method URL. Through a rendezvous handler registered with
 torch's public ``register_rendezvous_handler`` (on first use, so importing pc_distributed changes no torch
 state), a URL of the ``pcworldstore://`` scheme hands RPC the store given to :func:`rpc_url_for_store`, once.
+
+The hand-over table is module-level because torch's table of rendezvous handlers is: the handler is
+registered once per process and finds the store by the URL's token. It is no registry of Worlds: an entry
+lives only from the World's start until RPC's rendezvous takes it (the World is not installed yet then, so
+the handler could not ask it), and a World never reads it again.
 """
 
 from __future__ import annotations

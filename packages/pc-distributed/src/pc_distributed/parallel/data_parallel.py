@@ -27,9 +27,15 @@ from torch import nn
 
 from pc_distributed._checks import bool_flag, optional_timeout, positive_number
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed.dp_buckets import GradReducer, make_buckets
-from pc_distributed.dp_comm import CommLike, broadcast_tensors, check_replicas, resolve_group, to_timedelta
-from pc_distributed.dp_optimizer import DataParallelOptimizer
+from pc_distributed.parallel._buckets import GradReducer, make_buckets
+from pc_distributed.parallel._comm import (
+    CommLike,
+    broadcast_tensors,
+    check_replicas,
+    resolve_group,
+    to_timedelta,
+)
+from pc_distributed.parallel.optimizer import DataParallelOptimizer
 
 __all__ = ["DataParallel"]
 
