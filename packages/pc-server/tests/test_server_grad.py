@@ -17,7 +17,7 @@ from pc_server import (
     ReducerTraceback,
 )
 from pc_server._packing import pack
-from pc_server.grad_client import GradMessage
+from pc_server.grad._protocol import GradMessage
 
 WAIT = 20.0
 

@@ -29,27 +29,29 @@ import torch
 from torch import nn
 
 from pc_server._forward import deliver_forward, register_primary
-from pc_server._grad_checkpoint import grad_state, load_grad_state
 from pc_server._group import GroupLike, call_member, check_group, register_service
 from pc_server._packing import Packed
-from pc_server._primary_reducer import PrimaryReducer
-from pc_server._reducer_base import Done, Forward, ReducerHealth
-from pc_server._secondary_reducer import SecondaryReducer
-from pc_server._stats import GradServerStats
 from pc_server.errors import ReducerStoppedError
-from pc_server.grad_client import (
+from pc_server.grad._checkpoint import grad_state, load_grad_state
+from pc_server.grad._primary_reducer import PrimaryReducer
+from pc_server.grad._protocol import (
     LEDGER_LEVEL,
     REDUCE_MASTER,
     REDUCE_SLAVE,
+    Done,
+    Forward,
     GradMessage,
-    PushPullGradServer,
     reducer_service_name,
 )
-from pc_server.grad_config import GradServerConfig
-from pc_server.ledger import GradLedger, LedgerBook
+from pc_server.grad._reducer_base import ReducerHealth
+from pc_server.grad._secondary_reducer import SecondaryReducer
+from pc_server.grad.client import PushPullGradServer
+from pc_server.grad.config import GradServerConfig
+from pc_server.grad.ledger import GradLedger, LedgerBook
+from pc_server.grad.stats import GradServerStats
 from pc_server.ordered_server import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
-__all__ = ["STOP_TIMEOUT_S", "GradServerStats", "PushPullGradServerImpl"]
+__all__ = ["STOP_TIMEOUT_S", "PushPullGradServerImpl"]
 
 STOP_TIMEOUT_S = 60.0
 """Default seconds :meth:`PushPullGradServerImpl.stop` waits for each reducer thread."""

@@ -25,11 +25,12 @@ from collections import Counter
 from typing import Any
 
 from pc_server._checkpoint import check_state, header
-from pc_server._primary_reducer import PrimaryReducer
-from pc_server._reducer_base import Forward, Queued, forward_clients
-from pc_server._secondary_reducer import SecondaryReducer
-from pc_server.grad_config import GradServerConfig
-from pc_server.ledger import GradLedger, LedgerBook
+from pc_server.grad._primary_reducer import PrimaryReducer
+from pc_server.grad._protocol import Forward
+from pc_server.grad._reducer_base import Queued, forward_clients
+from pc_server.grad._secondary_reducer import SecondaryReducer
+from pc_server.grad.config import GradServerConfig
+from pc_server.grad.ledger import GradLedger, LedgerBook
 
 __all__ = ["GRAD_FORMAT", "grad_state", "load_grad_state"]
 

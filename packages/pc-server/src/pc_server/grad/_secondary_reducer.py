@@ -18,20 +18,18 @@ from typing import Any
 
 from pc_server._checkpoint import check_int
 from pc_server._packing import Packed, pack, unpack
-from pc_server._reduce import Partial, reduce_pushes
-from pc_server._reducer_base import (
+from pc_server.errors import ReducerStoppedError
+from pc_server.grad._protocol import Done, Forward, GradMessage
+from pc_server.grad._reduce import Partial, reduce_pushes
+from pc_server.grad._reducer_base import (
     Booking,
-    Done,
-    Forward,
     Queued,
     ReducerHealth,
     ReducerRole,
     forward_clients,
 )
-from pc_server.errors import ReducerStoppedError
-from pc_server.grad_client import GradMessage
-from pc_server.grad_config import GradServerConfig
-from pc_server.ledger import LedgerBook
+from pc_server.grad.config import GradServerConfig
+from pc_server.grad.ledger import LedgerBook
 
 __all__ = ["SecondaryReducer"]
 
