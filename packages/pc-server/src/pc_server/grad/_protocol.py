@@ -2,12 +2,12 @@
 
 ::
 
-    client    --(GradMessage, REDUCE_SLAVE)--->  <server>/<member>/_push_service     (a secondary)
-    client    --(None, LEDGER_LEVEL)---------->  <server>/<member>/_push_service     (any reducer)
+    client    --GradMessage------------------->  <server>/<member>/_push_service     (a secondary)
+    client    --(no arguments)---------------->  <server>/<member>/_ledger_service   (any reducer)
     secondary --Forward, then Done at stop---->  the primary's receiver               (by member name)
 
-Both ends of the tree import this module and nothing of each other: the client and the reducers agree on
-these types only.
+Each message kind has a service of its own, so a reducer never dispatches on a number. Both ends of the
+tree import this module and nothing of each other: the client and the reducers agree on these types only.
 """
 
 from __future__ import annotations
@@ -17,21 +17,27 @@ from typing import NamedTuple
 from pc_server._packing import Packed
 
 __all__ = [
-    "LEDGER_LEVEL",
     "REDUCE_MASTER",
     "REDUCE_SLAVE",
     "Done",
     "Forward",
     "GradMessage",
+    "ledger_service_name",
     "reducer_service_name",
 ]
 
 REDUCE_MASTER = 0
-"""Service level of a forward from a secondary reducer to the primary (a public compatibility name)."""
+"""machin's service level of a forward from a secondary reducer to the primary (a public compatibility name).
+
+pc dispatches by service, not by level: a forward is a :class:`Forward` sent to the primary's receiver, and
+no message carries this number.
+"""
 REDUCE_SLAVE = 1
-"""Service level of a client push to a secondary reducer (a public compatibility name)."""
-LEDGER_LEVEL = 2
-"""Service level of a ledger request (the reducer answers with its :class:`~pc_server.GradLedger`)."""
+"""machin's service level of a client push to a secondary reducer (a public compatibility name).
+
+pc dispatches by service, not by level: the push service takes the :class:`GradMessage` alone, and accepts
+this number as an optional second argument so that machin's call shape ``(message, REDUCE_SLAVE)`` works.
+"""
 
 
 class GradMessage(NamedTuple):
@@ -65,3 +71,8 @@ class Done(NamedTuple):
 def reducer_service_name(server_name: str, member: str) -> str:
     """The push service key of ``member``'s reducer: ``<server_name>/<member>/_push_service``."""
     return f"{server_name}/{member}/_push_service"
+
+
+def ledger_service_name(server_name: str, member: str) -> str:
+    """The ledger service key of ``member``'s reducer: ``<server_name>/<member>/_ledger_service``."""
+    return f"{server_name}/{member}/_ledger_service"

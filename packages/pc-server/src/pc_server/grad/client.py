@@ -25,7 +25,7 @@ from pc_server._group import GroupLike, call_service, check_group, check_name
 from pc_server._local import find_local
 from pc_server._packing import pack
 from pc_server._state import check_model, get_pp_version
-from pc_server.grad._protocol import LEDGER_LEVEL, REDUCE_SLAVE, GradMessage, reducer_service_name
+from pc_server.grad._protocol import GradMessage, ledger_service_name, reducer_service_name
 from pc_server.grad.ledger import GradLedger
 from pc_server.model_server import pull_model
 from pc_server.ordered_server import OrderedServerBase
@@ -156,8 +156,7 @@ class PushPullGradServer:
             TimeoutError: A reducer did not answer within the RPC timeout.
         """
         return GradLedger.merge(
-            self._call(reducer_service_name(self.server_name, m), (None, LEDGER_LEVEL))
-            for m in self._reducers()
+            self._call(ledger_service_name(self.server_name, m), ()) for m in self._reducers()
         )
 
     def _call(self, service: str, args: tuple[Any, ...]) -> Any:
@@ -242,7 +241,7 @@ class PushPullGradServer:
         # Over RPC the serialisation is the copy the reducer keeps, so large CPU gradients are sent as they
         # are; a reducer in this process keeps the very tensors, so it gets a private copy.
         local = find_local(self.group, service) is not None
-        return self._call(service, (GradMessage(pack(grads, copy=local), client, seq, version), REDUCE_SLAVE))
+        return self._call(service, (GradMessage(pack(grads, copy=local), client, seq, version),))
 
     def pull(self, model: nn.Module) -> bool:
         """Clear the model's gradients (set to ``None``) and load the server's model if its version differs.

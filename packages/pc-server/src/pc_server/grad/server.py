@@ -35,12 +35,12 @@ from pc_server.errors import ReducerStoppedError
 from pc_server.grad._checkpoint import grad_state, load_grad_state
 from pc_server.grad._primary_reducer import PrimaryReducer
 from pc_server.grad._protocol import (
-    LEDGER_LEVEL,
     REDUCE_MASTER,
     REDUCE_SLAVE,
     Done,
     Forward,
     GradMessage,
+    ledger_service_name,
     reducer_service_name,
 )
 from pc_server.grad._reducer_base import ReducerHealth
@@ -161,7 +161,10 @@ class PushPullGradServerImpl:
                 (lambda: primary.version) if primary is not None else None,
             )
 
-        register_service(group, reducer_service_name(server_name, cfg.me), self._push_service)
+        # one service per message kind: pushes go to secondaries, every reducer answers ledger requests
+        if self._secondary is not None:
+            register_service(group, reducer_service_name(server_name, cfg.me), self._push_service)
+        register_service(group, ledger_service_name(server_name, cfg.me), self.ledger)
         if self._primary is not None:
             # secondaries in other processes forward by member name through deliver_forward (no directory)
             register_primary(group.get_group_name(), server_name, self._primary.receive)
@@ -389,23 +392,29 @@ class PushPullGradServerImpl:
             self._loaded = self._ledger.snapshot()
 
     # ------------------------------------------------------------------ services
-    def _push_service(self, payload: Any, level: int) -> Any:
-        if level == REDUCE_SLAVE:
-            if not isinstance(payload, GradMessage) or not isinstance(payload.grads, Packed):
-                raise TypeError(
-                    f"expected a GradMessage from PushPullGradServer.push, got {type(payload).__name__}"
-                )
-            if self._secondary is None:
-                raise ValueError(f"{self.config.me!r} is not a secondary reducer of {self.server_name!r}")
-            return self._secondary.accept(payload)
-        if level == REDUCE_MASTER:
-            if self._primary is None:
-                raise ValueError(f"{self.config.me!r} is not the primary reducer of {self.server_name!r}")
-            forward, age = payload
-            return self._primary.receive(forward, age)
-        if level == LEDGER_LEVEL:
-            return self.ledger()
-        raise ValueError(f"unknown push level {level!r}; expected REDUCE_MASTER (0) or REDUCE_SLAVE (1)")
+    def _push_service(self, message: Any, level: int = REDUCE_SLAVE) -> tuple[bool, int]:
+        """The push service of a secondary: book and queue one client push; return ``(accepted, head)``.
+
+        Args:
+            message: The :class:`~pc_server.grad._protocol.GradMessage` of one push.
+            level: Only ``REDUCE_SLAVE`` (the default), for machin's call shape ``(message, REDUCE_SLAVE)``.
+
+        Raises:
+            TypeError: ``message`` is not a push from ``PushPullGradServer.push``.
+            ValueError: Another ``level``, or this process is not a secondary reducer of the server.
+        """
+        if level != REDUCE_SLAVE:
+            raise ValueError(
+                f"unknown push level {level!r}: the push service takes client pushes only (REDUCE_SLAVE = "
+                f"{REDUCE_SLAVE}); forwards to the primary (machin's REDUCE_MASTER) never come here"
+            )
+        if not isinstance(message, GradMessage) or not isinstance(message.grads, Packed):
+            raise TypeError(
+                f"expected a GradMessage from PushPullGradServer.push, got {type(message).__name__}"
+            )
+        if self._secondary is None:
+            raise ValueError(f"{self.config.me!r} is not a secondary reducer of {self.server_name!r}")
+        return self._secondary.accept(message)
 
     def _forward_remote(self, forward: Forward | Done, age: float) -> int:
         """One RPC to the primary's process, addressed by member name (no service-directory look-up)."""
