@@ -175,7 +175,7 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
     def state(self) -> dict[str, Any]:
         """Model, optimizer and lr scheduler state dicts, version, step count and the bundles not applied yet.
 
-        The copies are of one step; call it under the ledger's lock (as ``grad_state`` does) so that the
+        The copies are of one step; call it under the ledger's lock (as the checkpoint does) so that the
         ``pending`` bundles (queued, or taken for the next step) and the ledger agree.
 
         Raises:

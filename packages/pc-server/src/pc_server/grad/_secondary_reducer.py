@@ -128,7 +128,7 @@ class SecondaryReducer(ReducerRole[Queued]):
     def state(self) -> dict[str, Any]:
         """The ``(client, seq)`` table, the known head and the pushes not forwarded yet, for a checkpoint.
 
-        Call it under the ledger's lock (as ``grad_state`` does) so that ``pending`` and the ledger agree.
+        Call it under the ledger's lock (as the checkpoint does) so that ``pending`` and the ledger agree.
         """
         with self.ledger.lock, self._lock:
             return {

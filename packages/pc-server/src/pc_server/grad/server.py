@@ -32,7 +32,7 @@ from pc_server._forward import deliver_forward, register_primary
 from pc_server._group import GroupLike, call_member, check_group, register_service
 from pc_server._packing import Packed
 from pc_server.errors import ReducerStoppedError
-from pc_server.grad._checkpoint import grad_state, load_grad_state
+from pc_server.grad._checkpoint import GradCheckpoint
 from pc_server.grad._primary_reducer import PrimaryReducer
 from pc_server.grad._protocol import (
     REDUCE_MASTER,
@@ -143,7 +143,6 @@ class PushPullGradServerImpl:
         self._started = False
         self._stopped = False
         self._ledger = LedgerBook()
-        self._loaded = GradLedger()  # the ledger as the last load_state_dict() left it
         self._health = ReducerHealth()
         self._primary = (
             PrimaryReducer(cfg, self._ledger, self._health, o_server, o_server_impl)
@@ -160,6 +159,7 @@ class PushPullGradServerImpl:
                 primary.receive if primary is not None else self._forward_remote,  # co-located: direct call
                 (lambda: primary.version) if primary is not None else None,
             )
+        self._checkpoint = GradCheckpoint(cfg, self._ledger, self._primary, self._secondary)
 
         # one service per message kind: pushes go to secondaries, every reducer answers ledger requests
         if self._secondary is not None:
@@ -362,7 +362,7 @@ class PushPullGradServerImpl:
         Raises:
             RuntimeError: On the primary, before :meth:`manage_model`.
         """
-        return grad_state(self.config, self._primary, self._secondary, self._ledger)
+        return self._checkpoint.state()
 
     def load_state_dict(self, state: Any) -> None:
         """Restore this process's :meth:`state_dict` after :meth:`manage_model` and before :meth:`start`.
@@ -388,8 +388,7 @@ class PushPullGradServerImpl:
                 raise RuntimeError(
                     f"gradient server {self.server_name!r}: load_state_dict() must be called before start()"
                 )
-            load_grad_state(self.config, self._primary, self._secondary, self._ledger, state, self._loaded)
-            self._loaded = self._ledger.snapshot()
+            self._checkpoint.load(state)
 
     # ------------------------------------------------------------------ services
     def _push_service(self, message: Any, level: int = REDUCE_SLAVE) -> tuple[bool, int]:
