@@ -2,7 +2,7 @@
 
 Public here (and re-exported by :mod:`pc_server`): the server (:class:`PushPullGradServerImpl`), its client
 accessor (:class:`PushPullGradServer`), its settings (:class:`GradServerConfig`), its counters
-(:class:`GradServerStats`) and ledger (:class:`GradLedger`, :class:`PushCounts`), and machin's compatibility
+(:class:`GradServerStats`) and ledger (:class:`GradLedger`, :class:`PushCounts`), and the compatibility
 names ``REDUCE_MASTER``/``REDUCE_SLAVE``. The modules with a leading underscore are the server's insides: the
 wire protocol, the two reducer roles and what they share, the batch queue, the reductions and the checkpoint.
 """

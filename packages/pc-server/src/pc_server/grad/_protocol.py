@@ -27,16 +27,17 @@ __all__ = [
 ]
 
 REDUCE_MASTER = 0
-"""machin's service level of a forward from a secondary reducer to the primary (a public compatibility name).
+"""The service level of a forward from a secondary reducer to the primary (a public compatibility name).
 
 pc dispatches by service, not by level: a forward is a :class:`Forward` sent to the primary's receiver, and
 no message carries this number.
 """
 REDUCE_SLAVE = 1
-"""machin's service level of a client push to a secondary reducer (a public compatibility name).
+"""The service level of a client push to a secondary reducer (a public compatibility name).
 
 pc dispatches by service, not by level: the push service takes the :class:`GradMessage` alone, and accepts
-this number as an optional second argument so that machin's call shape ``(message, REDUCE_SLAVE)`` works.
+this number as an optional second argument so that the compatible call shape ``(message, REDUCE_SLAVE)``
+works.
 """
 
 

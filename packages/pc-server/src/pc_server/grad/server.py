@@ -17,7 +17,9 @@ With full batches the primary steps once per ``reduce_batch_size ** 2`` pushes. 
 an Impl and is a secondary must ``start()`` it (``grad_server_helper`` does), otherwise gradients routed there
 wait. This module is the facade: the settings are a frozen :class:`~pc_server.GradServerConfig`, and the
 two roles are separate objects (``_secondary_reducer.SecondaryReducer``, ``_primary_reducer.PrimaryReducer``),
-each owning its queue, thread and counters; every push they handle is booked in the process's ledger.
+each owning its queue, thread and counters; every push they handle is booked in the process's ledger. Each
+message kind has a service of its own (``_protocol.py``): a secondary takes pushes, every reducer answers
+ledger requests; the checkpoint (``_checkpoint.GradCheckpoint``) reads the roles and the ledger.
 """
 
 from __future__ import annotations
@@ -95,9 +97,9 @@ class PushPullGradServerImpl:
     """
 
     REDUCE_MASTER = REDUCE_MASTER
-    """Service level of a secondary-to-primary forward (a public compatibility name)."""
+    """Service level of a secondary-to-primary forward (compatibility name; no message carries it)."""
     REDUCE_SLAVE = REDUCE_SLAVE
-    """Service level of a client-to-secondary push (a public compatibility name)."""
+    """Service level of a client-to-secondary push (compatibility name; the push service accepts it)."""
 
     def __init__(
         self,
@@ -396,7 +398,7 @@ class PushPullGradServerImpl:
 
         Args:
             message: The :class:`~pc_server.grad._protocol.GradMessage` of one push.
-            level: Only ``REDUCE_SLAVE`` (the default), for machin's call shape ``(message, REDUCE_SLAVE)``.
+            level: Only ``REDUCE_SLAVE`` (the default), for the compatible call ``(message, REDUCE_SLAVE)``.
 
         Raises:
             TypeError: ``message`` is not a push from ``PushPullGradServer.push``.
@@ -405,7 +407,7 @@ class PushPullGradServerImpl:
         if level != REDUCE_SLAVE:
             raise ValueError(
                 f"unknown push level {level!r}: the push service takes client pushes only (REDUCE_SLAVE = "
-                f"{REDUCE_SLAVE}); forwards to the primary (machin's REDUCE_MASTER) never come here"
+                f"{REDUCE_SLAVE}); forwards to the primary (REDUCE_MASTER) never come here"
             )
         if not isinstance(message, GradMessage) or not isinstance(message.grads, Packed):
             raise TypeError(
