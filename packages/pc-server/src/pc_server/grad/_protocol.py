@@ -2,9 +2,9 @@
 
 ::
 
-    client    --GradMessage------------------->  <server>/<member>/_push_service     (a secondary)
-    client    --(no arguments)---------------->  <server>/<member>/_ledger_service   (any reducer)
-    secondary --Forward, then Done at stop---->  the primary's receiver               (by member name)
+    client    --GradMessage------------------->  <server>/<member>/_push_service     (each secondary)
+    client    --(no arguments)---------------->  <server>/<member>/_ledger_service   (every reducer)
+    secondary --(Forward or Done, age)-------->  <server>/<member>/_forward_service  (the primary)
 
 Each message kind has a service of its own, so a reducer never dispatches on a number. Both ends of the
 tree import this module and nothing of each other: the client and the reducers agree on these types only.
@@ -22,6 +22,7 @@ __all__ = [
     "Done",
     "Forward",
     "GradMessage",
+    "forward_service_name",
     "ledger_service_name",
     "reducer_service_name",
 ]
@@ -29,8 +30,8 @@ __all__ = [
 REDUCE_MASTER = 0
 """The service level of a forward from a secondary reducer to the primary (a public compatibility name).
 
-pc dispatches by service, not by level: a forward is a :class:`Forward` sent to the primary's receiver, and
-no message carries this number.
+pc dispatches by service, not by level: a forward is a :class:`Forward` sent to the primary's forward
+service, and no message carries this number.
 """
 REDUCE_SLAVE = 1
 """The service level of a client push to a secondary reducer (a public compatibility name).
@@ -77,3 +78,8 @@ def reducer_service_name(server_name: str, member: str) -> str:
 def ledger_service_name(server_name: str, member: str) -> str:
     """The ledger service key of ``member``'s reducer: ``<server_name>/<member>/_ledger_service``."""
     return f"{server_name}/{member}/_ledger_service"
+
+
+def forward_service_name(server_name: str, member: str) -> str:
+    """The forward service key of the primary ``member``: ``<server_name>/<member>/_forward_service``."""
+    return f"{server_name}/{member}/_forward_service"

@@ -18,8 +18,9 @@ an Impl and is a secondary must ``start()`` it (``grad_server_helper`` does), ot
 wait. This module is the facade: the settings are a frozen :class:`~pc_server.GradServerConfig`, and the
 two roles are separate objects (``_secondary_reducer.SecondaryReducer``, ``_primary_reducer.PrimaryReducer``),
 each owning its queue, thread and counters; every push they handle is booked in the process's ledger. Each
-message kind has a service of its own (``_protocol.py``): a secondary takes pushes, every reducer answers
-ledger requests; the checkpoint (``_checkpoint.GradCheckpoint``) reads the roles and the ledger.
+message kind has a service of its own (``_protocol.py``): a secondary takes pushes, the primary forwards,
+every reducer answers ledger requests. The checkpoint (``_checkpoint.GradCheckpoint``) reads the roles and
+the ledger.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pc_server.grad._protocol import (
     Done,
     Forward,
     GradMessage,
+    forward_service_name,
     ledger_service_name,
     reducer_service_name,
 )
@@ -163,9 +165,12 @@ class PushPullGradServerImpl:
             )
         self._checkpoint = GradCheckpoint(cfg, self._ledger, self._primary, self._secondary)
 
-        # one service per message kind: pushes go to secondaries, every reducer answers ledger requests
+        # one service per message kind: pushes go to secondaries, forwards to the primary, every reducer
+        # answers ledger requests
         if self._secondary is not None:
             register_service(group, reducer_service_name(server_name, cfg.me), self._push_service)
+        if self._primary is not None:
+            register_service(group, forward_service_name(server_name, cfg.me), self._primary.receive)
         register_service(group, ledger_service_name(server_name, cfg.me), self.ledger)
         if self._primary is not None:
             # secondaries in other processes forward by member name through deliver_forward (no directory)
