@@ -44,7 +44,7 @@ def test_the_matrix_covers_the_floor_the_newest_and_the_extreme_pythons() -> Non
     matrix = _compat_matrix()
     pythons = {python for _, python in matrix}
     assert {PYTHONS[0], PYTHONS[-1]} <= pythons
-    # With the pinned CPU build, which every other session runs on Python 3.11, every supported Python is tested.
+    # With the pinned CPU build (run on Python 3.11 by every other session), every supported Python is tested.
     assert pythons | {"3.11"} == set(PYTHONS), pythons
     policy = (ROOT / "docs" / "support.md").read_text()
     for torch, python in matrix:

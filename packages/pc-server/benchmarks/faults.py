@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pc_server import OrderedServerSimpleImpl, PushPullGradServerImpl
+from pc_server import REDUCE_SLAVE, OrderedServerSimpleImpl, PushPullGradServerImpl
 
 RPC_TIMEOUT = 4.0
 WAIT_S = 60.0
@@ -61,9 +61,9 @@ class _HangingPush(PushPullGradServerImpl):
 
     release = threading.Event()
 
-    def _push_service(self, payload: Any, level: int) -> Any:
+    def _push_service(self, message: Any, level: int = REDUCE_SLAVE) -> Any:
         self.release.wait(30.0)
-        return super()._push_service(payload, level)
+        return super()._push_service(message, level)
 
 
 def _server(

@@ -63,7 +63,8 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 def _instrument() -> None:
     """Wrap the legs (in this process) with timers."""
     from pc_distributed.rpc import _directory as _rpc_directory
-    from pc_server import _primary_reducer, _secondary_reducer, grad_client
+    from pc_server.grad import _primary_reducer, _secondary_reducer
+    from pc_server.grad import client as grad_client
 
     grad_client.call_service = _timed("push_rpc", grad_client.call_service)  # type: ignore[assignment]
     grad_client.pull_model = _timed("pull", grad_client.pull_model)  # type: ignore[assignment]

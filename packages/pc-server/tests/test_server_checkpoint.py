@@ -21,7 +21,7 @@ from pc_server import (
     PushPullGradServerImpl,
 )
 from pc_server._packing import pack
-from pc_server.grad_client import GradMessage, reducer_service_name
+from pc_server.grad._protocol import GradMessage, reducer_service_name
 
 WAIT = 20.0
 

@@ -17,7 +17,13 @@ from pc_server import (
     ReducerTraceback,
 )
 from pc_server._packing import pack
-from pc_server.grad_client import GradMessage
+from pc_server.grad._protocol import (
+    Forward,
+    GradMessage,
+    forward_service_name,
+    ledger_service_name,
+    reducer_service_name,
+)
 
 WAIT = 20.0
 
@@ -219,6 +225,35 @@ def test_duplicates_ignored_and_schema_checked(hub3: Hub, impls: list[PushPullGr
         service({"x": 1}, REDUCE_SLAVE)
     with pytest.raises(ValueError, match="unknown push level 7"):
         service(msg, 7)
+
+
+def test_one_service_per_message_kind(hub3: Hub, impls: list[PushPullGradServerImpl]) -> None:
+    """Pushes, forwards and ledger requests each have a service of their own, on the right members."""
+    managed = _tree(hub3, impls, ["1"], reduce_batch_size=1, flush_timeout=None)  # "0" is the primary only
+    services = {key: owner for key, (owner, _fn) in hub3.services.items() if key.startswith("server/")}
+    assert services == {
+        reducer_service_name("server", "1"): "1",
+        forward_service_name("server", "0"): "0",
+        ledger_service_name("server", "0"): "0",
+        ledger_service_name("server", "1"): "1",
+    }
+    ones = pack({n: torch.ones_like(p) for n, p in managed.named_parameters()})
+    caller = hub3.group("2")
+    # a forward: the primary steps on it (lr 1: every weight goes down by one)
+    before = managed.weights()
+    head = caller.registered_sync(
+        forward_service_name("server", "0"), args=(Forward({0: (ones, 1, {"c": 1})}), 0.0)
+    )
+    assert head == 0
+    assert impls[0].wait_for_version(1, WAIT)
+    assert managed.weights() == tuple(w - 1.0 for w in before)
+    with pytest.raises(TypeError, match="bundle"):
+        caller.registered_sync(forward_service_name("server", "0"), args=("not a bundle", 0.0))
+    # a push, and a ledger request, each to its own service
+    push = caller.registered_sync(reducer_service_name("server", "1"), args=(GradMessage(ones, "c", 1, 1),))
+    assert push == (True, 1)
+    assert caller.registered_sync(ledger_service_name("server", "1")).clients["c"].accepted == 1
+    assert caller.registered_sync(ledger_service_name("server", "0")).clients["c"].applied >= 1
 
 
 def test_dead_secondary_is_skipped_once(hub3: Hub, impls: list[PushPullGradServerImpl]) -> None:

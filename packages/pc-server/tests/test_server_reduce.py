@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 
-from pc_server._batch_queue import BatchQueue
 from pc_server._packing import Packed, pack, unpack
-from pc_server._reduce import Partial, drop_stale, finalize, merge_partials, reduce_pushes
 from pc_server.errors import ReducerStoppedError
+from pc_server.grad._batch_queue import BatchQueue
+from pc_server.grad._reduce import Partial, drop_stale, finalize, merge_partials, reduce_pushes
 
 G = {
     "fc1.weight": torch.tensor([[6.0]]),
@@ -144,7 +144,7 @@ class _FakeClock:
 
 def test_queue_partial_flush_after_timeout_and_age(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _FakeClock()
-    monkeypatch.setattr("pc_server._batch_queue.time", clock)
+    monkeypatch.setattr("pc_server.grad._batch_queue.time", clock)
     q: BatchQueue[str] = BatchQueue(8)
     monkeypatch.setattr(q._cond, "wait", clock.wait)
     q.put("old", age=200.0)  # already waited longer than the flush timeout elsewhere: due at once

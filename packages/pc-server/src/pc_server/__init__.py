@@ -3,10 +3,16 @@
 from pc_server.__about__ import __version__
 from pc_server.errors import ReducerStoppedError, ReducerTraceback
 from pc_server.factory import ServerTuple, grad_server_helper, model_server_helper
-from pc_server.grad_client import REDUCE_MASTER, REDUCE_SLAVE, PushPullGradServer
-from pc_server.grad_config import GradServerConfig
-from pc_server.grad_server import GradServerStats, PushPullGradServerImpl
-from pc_server.ledger import GradLedger, PushCounts
+from pc_server.grad import (
+    REDUCE_MASTER,
+    REDUCE_SLAVE,
+    GradLedger,
+    GradServerConfig,
+    GradServerStats,
+    PushCounts,
+    PushPullGradServer,
+    PushPullGradServerImpl,
+)
 from pc_server.model_server import PushPullModelServer, PushPullModelServerImpl
 from pc_server.ordered_server import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 

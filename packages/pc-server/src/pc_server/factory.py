@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from pc_server._checks import positive_int
-from pc_server.grad_client import PushPullGradServer
-from pc_server.grad_server import STOP_TIMEOUT_S, PushPullGradServerImpl
+from pc_server.grad.client import PushPullGradServer
+from pc_server.grad.server import STOP_TIMEOUT_S, PushPullGradServerImpl
 from pc_server.model_server import PushPullModelServer, PushPullModelServerImpl
 
 __all__ = ["ServerTuple", "grad_server_helper", "model_server_helper"]

@@ -18,21 +18,20 @@ from torch import nn
 
 from pc_server._checkpoint import check_int
 from pc_server._copy import snapshot
-from pc_server._fit import check_loadable, check_model_state, type_name
 from pc_server._packing import Packed, unpack
-from pc_server._reduce import Partial, finalize, merge_partials
-from pc_server._reducer_base import (
+from pc_server._state import check_model, model_snapshot, set_pp_version
+from pc_server.grad._fit import check_loadable, check_model_state, type_name
+from pc_server.grad._protocol import Done, Forward
+from pc_server.grad._reduce import Partial, finalize, merge_partials
+from pc_server.grad._reducer_base import (
     Booking,
-    Done,
-    Forward,
     ReducerHealth,
     ReducerRole,
     forward_clients,
     per_client,
 )
-from pc_server._state import check_model, model_snapshot, set_pp_version
-from pc_server.grad_config import GradServerConfig
-from pc_server.ledger import LedgerBook
+from pc_server.grad.config import GradServerConfig
+from pc_server.grad.ledger import LedgerBook
 from pc_server.ordered_server import OrderedServerBase, OrderedServerSimpleImpl
 
 __all__ = ["PrimaryReducer"]
@@ -176,7 +175,7 @@ class PrimaryReducer(ReducerRole[tuple[Forward, float]]):
     def state(self) -> dict[str, Any]:
         """Model, optimizer and lr scheduler state dicts, version, step count and the bundles not applied yet.
 
-        The copies are of one step; call it under the ledger's lock (as ``grad_state`` does) so that the
+        The copies are of one step; call it under the ledger's lock (as the checkpoint does) so that the
         ``pending`` bundles (queued, or taken for the next step) and the ledger agree.
 
         Raises:
@@ -334,7 +333,7 @@ def _state_of(obj: Any) -> Any:
 
 
 def _load_into(what: str, obj: Any, state: Any) -> None:
-    """Load a checkpointed state dict (checked by ``pc_server._fit``) into the managed ``obj``."""
+    """Load a checkpointed state dict (checked by ``pc_server.grad._fit``) into the managed ``obj``."""
     if state is None:
         return
     try:

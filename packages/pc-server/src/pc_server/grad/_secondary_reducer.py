@@ -2,7 +2,7 @@
 
 It owns its queue, its thread, its ``(client, seq)`` table and the gradient schema. Forwards go through the
 ``forward`` callable it is given: a direct call into the primary when both share a process, else one RPC
-addressed by the primary's member name (see ``pc_server._forward``).
+addressed by the primary's member name to its forward service (``RpcGroup.registered_sync(..., owner=)``).
 """
 
 from __future__ import annotations
@@ -18,20 +18,18 @@ from typing import Any
 
 from pc_server._checkpoint import check_int
 from pc_server._packing import Packed, pack, unpack
-from pc_server._reduce import Partial, reduce_pushes
-from pc_server._reducer_base import (
+from pc_server.errors import ReducerStoppedError
+from pc_server.grad._protocol import Done, Forward, GradMessage
+from pc_server.grad._reduce import Partial, reduce_pushes
+from pc_server.grad._reducer_base import (
     Booking,
-    Done,
-    Forward,
     Queued,
     ReducerHealth,
     ReducerRole,
     forward_clients,
 )
-from pc_server.errors import ReducerStoppedError
-from pc_server.grad_client import GradMessage
-from pc_server.grad_config import GradServerConfig
-from pc_server.ledger import LedgerBook
+from pc_server.grad.config import GradServerConfig
+from pc_server.grad.ledger import LedgerBook
 
 __all__ = ["SecondaryReducer"]
 
@@ -130,7 +128,7 @@ class SecondaryReducer(ReducerRole[Queued]):
     def state(self) -> dict[str, Any]:
         """The ``(client, seq)`` table, the known head and the pushes not forwarded yet, for a checkpoint.
 
-        Call it under the ledger's lock (as ``grad_state`` does) so that ``pending`` and the ledger agree.
+        Call it under the ledger's lock (as the checkpoint does) so that ``pending`` and the ledger agree.
         """
         with self.ledger.lock, self._lock:
             return {

@@ -9,7 +9,7 @@ import torch
 
 from pc_server._checks import optional_non_negative_int, optional_positive_seconds, positive_int
 from pc_server._group import GroupLike, check_name
-from pc_server._reduce import check_reduce_method
+from pc_server.grad._reduce import check_reduce_method
 
 __all__ = ["GradServerConfig"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pc_server.ledger import PushCounts
+from pc_server.grad.ledger import PushCounts
 
 __all__ = ["GradServerStats"]
 

@@ -1,10 +1,10 @@
-"""What the primary and secondary reducers share: the messages, the process's health, a queue-draining thread.
+"""What both reducer roles share: the queued push, the process's health, a queue-draining thread.
 
-Each reducer role owns one :class:`~pc_server._batch_queue.BatchQueue` and one thread running the batch loop
-of :class:`ReducerRole` (the roles differ only in how they reduce and where they deliver). The first failure
-of either role is kept in the process's :class:`ReducerHealth` (re-raised by ``watch()``), closes both queues,
-and whatever the failed role held is booked as ``dropped_error`` in the ledger: nothing is lost without a
-count.
+Each reducer role owns one :class:`~pc_server.grad._batch_queue.BatchQueue` and one thread running the
+batch loop of :class:`ReducerRole` (the roles differ only in how they reduce and where they deliver). The
+first failure of either role is kept in the process's :class:`ReducerHealth` (re-raised by ``watch()``),
+closes both queues, and whatever the failed role held is booked as ``dropped_error`` in the ledger: nothing
+is lost without a count.
 """
 
 from __future__ import annotations
@@ -18,17 +18,16 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from pc_server._batch_queue import BatchQueue
 from pc_server._packing import Packed
-from pc_server._reduce import Partial, drop_stale
 from pc_server.errors import ReducerTraceback
-from pc_server.grad_config import GradServerConfig
-from pc_server.ledger import LedgerBook
+from pc_server.grad._batch_queue import BatchQueue
+from pc_server.grad._protocol import Forward
+from pc_server.grad._reduce import Partial, drop_stale
+from pc_server.grad.config import GradServerConfig
+from pc_server.grad.ledger import LedgerBook
 
 __all__ = [
     "Booking",
-    "Done",
-    "Forward",
     "Queued",
     "ReducerHealth",
     "ReducerRole",
@@ -48,18 +47,6 @@ class Queued(NamedTuple):
     grads: Packed
     enqueued: float
     client: str
-
-
-class Forward(NamedTuple):
-    """A secondary's bundle: version -> (packed gradient sums, push count, pushes per client)."""
-
-    partials: dict[int, tuple[Packed, int, dict[str, int]]]
-
-
-class Done(NamedTuple):
-    """A secondary's last message from ``stop()``: it forwarded everything it held."""
-
-    member: str
 
 
 Booking = tuple[str, dict[str, int]]

@@ -17,7 +17,10 @@ With full batches the primary steps once per ``reduce_batch_size ** 2`` pushes. 
 an Impl and is a secondary must ``start()`` it (``grad_server_helper`` does), otherwise gradients routed there
 wait. This module is the facade: the settings are a frozen :class:`~pc_server.GradServerConfig`, and the
 two roles are separate objects (``_secondary_reducer.SecondaryReducer``, ``_primary_reducer.PrimaryReducer``),
-each owning its queue, thread and counters; every push they handle is booked in the process's ledger.
+each owning its queue, thread and counters; every push they handle is booked in the process's ledger. Each
+message kind has a service of its own (``_protocol.py``): a secondary takes pushes, the primary forwards,
+every reducer answers ledger requests. The checkpoint (``_checkpoint.GradCheckpoint``) reads the roles and
+the ledger.
 """
 
 from __future__ import annotations
@@ -28,27 +31,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from pc_server._grad_checkpoint import grad_state, load_grad_state
 from pc_server._group import GroupLike, call_service, check_group
 from pc_server._packing import Packed
-from pc_server._primary_reducer import PrimaryReducer
-from pc_server._reducer_base import Done, Forward, ReducerHealth
-from pc_server._secondary_reducer import SecondaryReducer
-from pc_server._stats import GradServerStats
 from pc_server.errors import ReducerStoppedError
-from pc_server.grad_client import (
-    LEDGER_LEVEL,
+from pc_server.grad._checkpoint import GradCheckpoint
+from pc_server.grad._primary_reducer import PrimaryReducer
+from pc_server.grad._protocol import (
     REDUCE_MASTER,
     REDUCE_SLAVE,
+    Done,
+    Forward,
     GradMessage,
-    PushPullGradServer,
+    forward_service_name,
+    ledger_service_name,
     reducer_service_name,
 )
-from pc_server.grad_config import GradServerConfig
-from pc_server.ledger import GradLedger, LedgerBook
+from pc_server.grad._reducer_base import ReducerHealth
+from pc_server.grad._secondary_reducer import SecondaryReducer
+from pc_server.grad.client import PushPullGradServer
+from pc_server.grad.config import GradServerConfig
+from pc_server.grad.ledger import GradLedger, LedgerBook
+from pc_server.grad.stats import GradServerStats
 from pc_server.ordered_server import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
-__all__ = ["STOP_TIMEOUT_S", "GradServerStats", "PushPullGradServerImpl"]
+__all__ = ["STOP_TIMEOUT_S", "PushPullGradServerImpl"]
 
 STOP_TIMEOUT_S = 60.0
 """Default seconds :meth:`PushPullGradServerImpl.stop` waits for each reducer thread."""
@@ -92,9 +98,9 @@ class PushPullGradServerImpl:
     """
 
     REDUCE_MASTER = REDUCE_MASTER
-    """Service level of a secondary-to-primary forward (a public compatibility name)."""
+    """Service level of a secondary-to-primary forward (compatibility name; no message carries it)."""
     REDUCE_SLAVE = REDUCE_SLAVE
-    """Service level of a client-to-secondary push (a public compatibility name)."""
+    """Service level of a client-to-secondary push (compatibility name; the push service accepts it)."""
 
     def __init__(
         self,
@@ -140,7 +146,6 @@ class PushPullGradServerImpl:
         self._started = False
         self._stopped = False
         self._ledger = LedgerBook()
-        self._loaded = GradLedger()  # the ledger as the last load_state_dict() left it
         self._health = ReducerHealth()
         self._primary = (
             PrimaryReducer(cfg, self._ledger, self._health, o_server, o_server_impl)
@@ -157,8 +162,15 @@ class PushPullGradServerImpl:
                 primary.receive if primary is not None else self._forward_remote,  # co-located: direct call
                 (lambda: primary.version) if primary is not None else None,
             )
+        self._checkpoint = GradCheckpoint(cfg, self._ledger, self._primary, self._secondary)
 
-        group.register(reducer_service_name(server_name, cfg.me), self._push_service)
+        # one service per message kind: pushes go to secondaries, forwards to the primary, every reducer
+        # answers ledger requests
+        if self._secondary is not None:
+            group.register(reducer_service_name(server_name, cfg.me), self._push_service)
+        if self._primary is not None:
+            group.register(forward_service_name(server_name, cfg.me), self._primary.receive)
+        group.register(ledger_service_name(server_name, cfg.me), self.ledger)
         if self._primary is not None:
             group.pair(
                 server_name,
@@ -354,7 +366,7 @@ class PushPullGradServerImpl:
         Raises:
             RuntimeError: On the primary, before :meth:`manage_model`.
         """
-        return grad_state(self.config, self._primary, self._secondary, self._ledger)
+        return self._checkpoint.state()
 
     def load_state_dict(self, state: Any) -> None:
         """Restore this process's :meth:`state_dict` after :meth:`manage_model` and before :meth:`start`.
@@ -380,31 +392,36 @@ class PushPullGradServerImpl:
                 raise RuntimeError(
                     f"gradient server {self.server_name!r}: load_state_dict() must be called before start()"
                 )
-            load_grad_state(self.config, self._primary, self._secondary, self._ledger, state, self._loaded)
-            self._loaded = self._ledger.snapshot()
+            self._checkpoint.load(state)
 
     # ------------------------------------------------------------------ services
-    def _push_service(self, payload: Any, level: int) -> Any:
-        if level == REDUCE_SLAVE:
-            if not isinstance(payload, GradMessage) or not isinstance(payload.grads, Packed):
-                raise TypeError(
-                    f"expected a GradMessage from PushPullGradServer.push, got {type(payload).__name__}"
-                )
-            if self._secondary is None:
-                raise ValueError(f"{self.config.me!r} is not a secondary reducer of {self.server_name!r}")
-            return self._secondary.accept(payload)
-        if level == REDUCE_MASTER:
-            if self._primary is None:
-                raise ValueError(f"{self.config.me!r} is not the primary reducer of {self.server_name!r}")
-            forward, age = payload
-            return self._primary.receive(forward, age)
-        if level == LEDGER_LEVEL:
-            return self.ledger()
-        raise ValueError(f"unknown push level {level!r}; expected REDUCE_MASTER (0) or REDUCE_SLAVE (1)")
+    def _push_service(self, message: Any, level: int = REDUCE_SLAVE) -> tuple[bool, int]:
+        """The push service of a secondary: book and queue one client push; return ``(accepted, head)``.
+
+        Args:
+            message: The :class:`~pc_server.grad._protocol.GradMessage` of one push.
+            level: Only ``REDUCE_SLAVE`` (the default), for the compatible call ``(message, REDUCE_SLAVE)``.
+
+        Raises:
+            TypeError: ``message`` is not a push from ``PushPullGradServer.push``.
+            ValueError: Another ``level``, or this process is not a secondary reducer of the server.
+        """
+        if level != REDUCE_SLAVE:
+            raise ValueError(
+                f"unknown push level {level!r}: the push service takes client pushes only (REDUCE_SLAVE = "
+                f"{REDUCE_SLAVE}); forwards to the primary (REDUCE_MASTER) never come here"
+            )
+        if not isinstance(message, GradMessage) or not isinstance(message.grads, Packed):
+            raise TypeError(
+                f"expected a GradMessage from PushPullGradServer.push, got {type(message).__name__}"
+            )
+        if self._secondary is None:
+            raise ValueError(f"{self.config.me!r} is not a secondary reducer of {self.server_name!r}")
+        return self._secondary.accept(message)
 
     def _forward_remote(self, forward: Forward | Done, age: float) -> int:
         """One RPC to the primary's service, addressed to its member: no directory look-up in the store."""
         cfg = self.config
-        service = reducer_service_name(cfg.server_name, cfg.primary_reducer)
-        args = ((forward, age), REDUCE_MASTER)
+        service = forward_service_name(cfg.server_name, cfg.primary_reducer)
+        args = (forward, age)
         return int(call_service(self.group, service, args, cfg.server_name, owner=cfg.primary_reducer))

@@ -16,56 +16,22 @@ import logging
 import threading
 import uuid
 import zlib
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from pc_server._group import GroupLike, call_service, check_group, check_name
-from pc_server._packing import Packed, pack
+from pc_server._packing import pack
 from pc_server._state import check_model, get_pp_version
-from pc_server.ledger import GradLedger
+from pc_server.grad._protocol import GradMessage, ledger_service_name, reducer_service_name
+from pc_server.grad.ledger import GradLedger
 from pc_server.model_server import pull_model
 from pc_server.ordered_server import OrderedServerBase
 
-__all__ = [
-    "LEDGER_LEVEL",
-    "REDUCE_MASTER",
-    "REDUCE_SLAVE",
-    "GradMessage",
-    "PushPullGradServer",
-    "reducer_service_name",
-]
+__all__ = ["PushPullGradServer"]
 
 logger = logging.getLogger(__name__)
-
-REDUCE_MASTER = 0
-"""Service level of a forward from a secondary reducer to the primary (a public compatibility name)."""
-REDUCE_SLAVE = 1
-"""Service level of a client push to a secondary reducer (a public compatibility name)."""
-LEDGER_LEVEL = 2
-"""Service level of a ledger request (the reducer answers with its :class:`~pc_server.GradLedger`)."""
-
-
-class GradMessage(NamedTuple):
-    """One client push as sent to a secondary reducer.
-
-    Attributes:
-        grads: The packed gradients, keyed by ``named_parameters`` names.
-        client: A per-accessor identity (``"<process>/<random hex>"``).
-        seq: The push's sequence number for this client (1, 2, ...); duplicates are ignored.
-        version: The ``pp_version`` of the model the gradients were computed on.
-    """
-
-    grads: Packed
-    client: str
-    seq: int
-    version: int
-
-
-def reducer_service_name(server_name: str, member: str) -> str:
-    """The push service key of ``member``'s reducer: ``<server_name>/<member>/_push_service``."""
-    return f"{server_name}/{member}/_push_service"
 
 
 def collect_grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -189,8 +155,7 @@ class PushPullGradServer:
             TimeoutError: A reducer did not answer within the RPC timeout.
         """
         return GradLedger.merge(
-            self._call(reducer_service_name(self.server_name, m), (None, LEDGER_LEVEL))
-            for m in self._reducers()
+            self._call(ledger_service_name(self.server_name, m), ()) for m in self._reducers()
         )
 
     def _call(self, service: str, args: tuple[Any, ...]) -> Any:
@@ -271,7 +236,7 @@ class PushPullGradServer:
         service = self._services[index]
         # The call copies what it sends (serialised over RPC, copied by the group in this process), and that
         # copy is what the reducer keeps: large CPU gradients are packed as they are.
-        return self._call(service, (GradMessage(pack(grads, copy=False), client, seq, version), REDUCE_SLAVE))
+        return self._call(service, (GradMessage(pack(grads, copy=False), client, seq, version),))
 
     def pull(self, model: nn.Module) -> bool:
         """Clear the model's gradients (set to ``None``) and load the server's model if its version differs.
