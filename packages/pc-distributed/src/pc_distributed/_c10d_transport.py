@@ -801,15 +801,17 @@ class C10dTransport:
             self._owned.pop(key, None)
             self._idle.notify_all()
 
-    def owned_count(self) -> int:
-        """How many values this member keeps for remote references (its own and other members')."""
+    def owned_count(self, creator: int | None = None) -> int:
+        """How many values this member keeps for remote references (of ``creator`` only, if given)."""
         with self._lock:
-            return len(self._owned)
+            return sum(1 for key in self._owned if creator is None or key[0] == creator)
 
-    def _wait_owned_count(self, count: int, timeout: float) -> bool:
+    def _wait_owned_count(self, count: int, timeout: float, creator: int | None = None) -> bool:
         """Wait until :meth:`owned_count` is ``count``; whether it is (for tests and diagnostics)."""
         with self._lock:
-            return self._idle.wait_for(lambda: len(self._owned) == count, timeout)
+            return self._idle.wait_for(
+                lambda: sum(1 for k in self._owned if creator is None or k[0] == creator) == count, timeout
+            )
 
     # -- failures --------------------------------------------------------------------------------------------
 
