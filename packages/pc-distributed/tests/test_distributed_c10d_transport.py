@@ -255,7 +255,7 @@ def _failures(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
     # the host-tensor guard: never a CUDA (or other device) tensor to gloo
     with pytest.raises(ValueError, match="host memory"):
         check_host_tensor(torch.empty(4, device="meta"), "a frame payload")
-    with pytest.raises(TypeError, match="torch.Tensor"):
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
         check_host_tensor(b"bytes", "a frame payload")
 
     # construction checks, and a second transport on a group of its own: shut down twice, then refused
