@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -39,8 +40,10 @@ __all__ = [
     "REMOTE",
     "REQUESTS",
     "VALUE",
+    "Buffers",
     "Header",
     "check_host_tensor",
+    "payload_bytes",
     "post_frame",
     "receive_header",
     "receive_payload",
@@ -153,8 +156,13 @@ def post_frame(
     return works
 
 
-def receive_header(group: Any) -> Header | str:
-    """Receive the next header from any member (blocks; gloo bounds it by the group's timeout).
+def receive_header(group: Any, src: int | None) -> Header | str:
+    """Receive the next header from global rank ``src``, or from any member if None.
+
+    Blocks; gloo bounds the wait by the group's timeout. A receive from one given member is announced to it
+    as soon as it is posted, so a send that comes later goes out at once (one message), and it fails when
+    that member's connection closes; an any-source receive is announced to nobody, so each frame costs a
+    notification round trip more, and a peer's death does not end it.
 
     Returns:
         The header, or a description of the bytes when they are not a header of this layout.
@@ -163,7 +171,7 @@ def receive_header(group: Any) -> Header | str:
         RuntimeError: torch's error if the receive failed (the group's timeout ran out, the group broke).
     """
     frame = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-    _posted(dist.irecv(frame, src=None, group=group, tag=HEADER_TAG)).wait()
+    _posted(dist.irecv(frame, src=src, group=group, tag=HEADER_TAG)).wait()
     magic, kind, src, call_id, aux, nbytes, inline = _WORDS.unpack_from(memoryview(frame.numpy()))  # type: ignore[arg-type]
     if magic != _MAGIC or kind not in KINDS or nbytes < 0 or (inline and nbytes > INLINE_MAX):
         return f"not a frame header: {[magic, kind, src, call_id, aux, nbytes, inline]}"
@@ -171,15 +179,63 @@ def receive_header(group: Any) -> Header | str:
     return Header(kind, src, call_id, aux, nbytes, body)
 
 
-def receive_payload(group: Any, src: int, nbytes: int) -> torch.Tensor:
+def receive_payload(group: Any, src: int, nbytes: int, buffers: Buffers) -> torch.Tensor:
     """Receive the ``nbytes`` payload that follows a header from global rank ``src`` (blocks, as above).
+
+    The payload lands in a buffer of ``buffers``; give it back once it is read.
 
     Raises:
         RuntimeError: torch's error if ``src`` died before sending it all, or the group broke.
     """
-    payload = torch.empty(nbytes, dtype=torch.uint8)
-    _posted(dist.irecv(payload, src=src, group=group, tag=PAYLOAD_TAG)).wait()
+    payload = buffers.take(nbytes)
+    try:
+        _posted(dist.irecv(payload, src=src, group=group, tag=PAYLOAD_TAG)).wait()
+    except BaseException:
+        buffers.give(payload)
+        raise
     return payload
+
+
+class Buffers:
+    """Receive buffers for large payloads, kept for reuse up to ``keep_bytes`` in all.
+
+    A fresh buffer of megabytes costs a page fault per page on its first write, which costs more than
+    receiving into it; a payload's buffer is free again once its bytes are unpickled (unpickling copies
+    them), so the next large payload reuses it.
+    """
+
+    def __init__(self, keep_bytes: int = 64 << 20, min_bytes: int = 64 << 10) -> None:
+        self._keep_bytes = keep_bytes
+        self._min_bytes = min_bytes
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}  # data pointer of a lent view -> its buffer
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` (a view of a kept buffer when one fits, else a new one)."""
+        if nbytes < self._min_bytes:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        with self._lock:
+            fits = [b for b in self._free if nbytes <= b.numel() <= 2 * nbytes]
+            if fits:
+                buffer = min(fits, key=lambda b: b.numel())
+                self._free.remove(buffer)
+            else:
+                buffer = torch.empty(nbytes, dtype=torch.uint8)
+            view = buffer[:nbytes]
+            self._lent[view.data_ptr()] = buffer
+            return view
+
+    def give(self, payload: torch.Tensor) -> None:
+        """Take back a payload from :meth:`take` once nothing reads it any more (others are ignored)."""
+        with self._lock:
+            buffer = self._lent.pop(payload.data_ptr(), None)
+            if buffer is None:
+                return
+            self._free.append(buffer)
+            self._free.sort(key=lambda b: -b.numel())
+            while sum(b.numel() for b in self._free) > self._keep_bytes:
+                self._free.pop(0)  # the largest goes first
 
 
 def payload_bytes(payload: torch.Tensor) -> memoryview:

@@ -108,6 +108,7 @@ from pc_distributed._c10d_frames import (
     REMOTE,
     REQUESTS,
     VALUE,
+    Buffers,
     check_host_tensor,
     payload_bytes,
     post_frame,
@@ -216,6 +217,8 @@ class _Call:
     timeout: float
     what: str
     future: _Future[tuple[int, torch.Tensor | None]] = field(default_factory=_Future)
+    decoded: tuple[int, Any] | None = None  # (reply kind, unpickled payload), once read
+    decode_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, exc: BaseException) -> None:
         """Complete with ``exc`` (by whoever removed the call from the pending table, under its lock)."""
@@ -335,6 +338,9 @@ class C10dTransport:
         self._workers = _Workers(workers, f"pc-c10d-worker-{rank}")
         self._completions = _Workers(2, f"pc-c10d-done-{rank}")
         self._chores: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._buffers = Buffers()
+        # With one peer, the receiver posts its header receives for that peer alone (see receive_header).
+        self._header_src = next(iter(self._peers.values())).global_rank if len(self._peers) == 1 else None
         self._receiver_done = threading.Event()
         self._receiver: threading.Thread | None = None
         if self._peers:
@@ -577,10 +583,18 @@ class C10dTransport:
             self._idle.notify_all()
 
     def _outcome(self, pending: _Call) -> Any:
-        kind, payload = pending.future.result(0)
-        if payload is None:
-            return None
-        obj = pc_pickle.loads(payload_bytes(payload))
+        """The value of an answered call, or its remote exception raised (read once, then kept)."""
+        with pending.decode_lock:
+            if pending.decoded is None:
+                kind, payload = pending.future.result(0)
+                obj: Any = None
+                if payload is not None:
+                    try:
+                        obj = pc_pickle.loads(payload_bytes(payload))
+                    finally:
+                        self._buffers.give(payload)  # the bytes are unpickled: the buffer may be reused
+                pending.decoded = (kind, obj)
+            kind, obj = pending.decoded
         if kind == ERROR:
             exc, text = obj
             raise reraise_remote(exc, text, self._who(pending.peer))
@@ -681,7 +695,8 @@ class C10dTransport:
                     if all(p.gone for p in self._peers.values()):
                         return
                 try:
-                    header = receive_header(self._group)  # keep-alives end it before the group's timeout
+                    # keep-alives end the wait before the group's timeout
+                    header = receive_header(self._group, self._header_src)
                 except RuntimeError as exc:
                     self._break(f"receiving a frame header failed ({exc})")
                     return
@@ -693,7 +708,7 @@ class C10dTransport:
                 payload = header.inline
                 if payload is None and header.nbytes:
                     try:
-                        payload = receive_payload(self._group, peer.global_rank, header.nbytes)
+                        payload = receive_payload(self._group, peer.global_rank, header.nbytes, self._buffers)
                     except RuntimeError as exc:
                         self._lose(peer.rank, f"it failed mid-frame ({exc})")
                         continue
@@ -755,7 +770,10 @@ class C10dTransport:
                 else:
                     if payload is None:  # pragma: no cover - a request always has a payload
                         raise ValueError("a request frame came without its payload")
-                    fn, args, kwargs = pc_pickle.loads(payload_bytes(payload))
+                    try:
+                        fn, args, kwargs = pc_pickle.loads(payload_bytes(payload))
+                    finally:
+                        self._buffers.give(payload)
                     del payload
                     value = self._handler(fn, args, kwargs)
                 if kind == REMOTE:
