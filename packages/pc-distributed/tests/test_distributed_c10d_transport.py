@@ -46,7 +46,7 @@ def _raise_value_error(text: str) -> None:
 
 
 def _return_socket() -> socket.socket:
-    return socket.socket()
+    return socket.socket()  # closed with the handler's frame when the reply fails to pickle
 
 
 def _block_until_released() -> str:
@@ -223,8 +223,9 @@ def _failures(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
         t.call(other, _raise_value_error, ("async boom",)).wait()
 
     # an unpicklable argument fails here, before anything is sent; an unpicklable result fails there
-    with pytest.raises(TypeError, match="cannot be pickled"):
-        t.call_sync(other, len, (socket.socket(),))
+    with socket.socket() as sock, pytest.raises(TypeError, match="cannot be pickled"):
+        t.call_sync(other, len, (sock,))
+    out["nothing_pending"] = not t._pending  # refused before a call was registered or a frame sent
     with pytest.raises(TypeError, match="cannot be pickled"):
         t.call_sync(other, _return_socket)
     out["after_unpicklable"] = t.call_sync(other, lambda: "fine")
@@ -284,6 +285,7 @@ def test_remote_errors_unpicklables_timeouts_and_bad_input() -> None:
     for out in results:
         assert out["remote_tb"] == (True, True)
         assert out["after_unpicklable"] == "fine"
+        assert out["nothing_pending"] is True
         assert out["second"] == "second"
         assert out["second_running"] is False
     # liveness bound, not a speed claim: the call's timeout is 1.5 s

@@ -63,8 +63,10 @@ marks it lost and fails every call pending on it with ``ConnectionError`` naming
 fails at the next keep-alive to it (within a quarter of ``group_timeout``) or at its own deadline
 (``TimeoutError`` naming it), whichever comes first. A peer that dies mid-frame (header sent, payload not)
 fails the payload receive: the partial frame is dropped and the peer is lost; nothing else is affected.
-Shutdown with a dead peer: the goodbye to it fails at once and the others answer theirs, so shutdown stays
-bounded; when *every* peer is dead, nothing can end the receiver's any-source wait but the group's timeout:
+In a group of two the receiver waits for headers from the one peer only (no any-source receive), so that
+peer's death also ends the receiver's wait at once. Shutdown with a dead peer: the goodbye to it fails at once
+and the others answer theirs, so shutdown stays bounded; in a larger group whose peers are *all* dead,
+nothing can end the receiver's any-source wait but the group's timeout:
 shutdown still returns within its own timeout and the receiver thread (a daemon) ends by itself within
 ``group_timeout``, which is why the group for this transport should have a timeout of seconds to a minute,
 not gloo's default 30 minutes.
@@ -698,7 +700,10 @@ class C10dTransport:
                     # keep-alives end the wait before the group's timeout
                     header = receive_header(self._group, self._header_src)
                 except RuntimeError as exc:
-                    self._break(f"receiving a frame header failed ({exc})")
+                    if self._header_src is not None:  # the one peer's connection failed (or went silent)
+                        self._lose(next(iter(self._peers)), f"receiving from it failed ({exc})")
+                    else:
+                        self._break(f"receiving a frame header failed ({exc})")
                     return
                 peer = None if isinstance(header, str) else self._peers.get(header.src)
                 if isinstance(header, str) or peer is None:
