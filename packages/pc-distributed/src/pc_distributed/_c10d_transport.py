@@ -10,7 +10,7 @@ ops abort the process on a CUDA tensor, so only host tensors are ever handed to 
 Data flow (one process; ``~~`` is the group's point-to-point ops, ``>>`` a queue)::
 
     caller thread -- pickle, pending[call id] = future -- post frame ~~isend~~> peer's receiver
-                                 ^                            >> lane[peer]: waits for the sends   |
+                                 ^                                                                 |
                                  | reply (value / error)                                     workers: handler
     receiver thread <~~irecv(any source)~~ frames from every peer <~~ reply posted by a worker ---'
          | request >> workers: handler(fn, args, kwargs), reply posted to the caller
@@ -20,9 +20,12 @@ Data flow (one process; ``~~`` is the group's point-to-point ops, ``>>`` a queue
 id and the payload length, then the payload bytes as a uint8 tensor (small payloads ride inside the header).
 The thread that sends a frame (a caller, a worker with a reply) posts its ``isend``\ s itself, one frame at a
 time per peer (a lock), so a header and its payload are adjacent on the wire and a peer's frames arrive in the
-order they were posted (gloo matches the sends and receives of one pair and one tag in order). Posting does
-not wait for the peer: each peer's *lane* thread waits, in order, for the posted sends to finish, keeping
-their bytes alive until then, so no caller is ever blocked by a slow or stalled peer.
+order they were posted (gloo matches the sends and receives of one pair and one tag in order). A posted send
+must stay alive until gloo has made it (a dropped ``Work`` is a send never made), and posting does not wait
+for the peer: a request's sends stay with its call until the reply, which proves they were made (they are then
+dropped without a wait: no thread wakes for them); a worker waits for its reply's sends itself; keep-alives,
+releases, goodbyes and the sends of calls that end without a reply go to the peer's *lane*, a thread that
+waits for them in order. No caller is blocked by a slow or stalled peer.
 
 **The receiver.** One thread per process posts an any-source receive of a header, then, for a large payload,
 a receive of the payload from that sender only, and hands the frame on: requests to a small pool of worker
@@ -220,6 +223,7 @@ class _Call:
     what: str
     future: _Future[tuple[int, torch.Tensor | None]] = field(default_factory=_Future)
     decoded: tuple[int, Any] | None = None  # (reply kind, unpickled payload), once read
+    sent: tuple[list[Any], bytes | None] | None = None  # the request's posted works and bytes, until answered
     decode_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, exc: BaseException) -> None:
@@ -241,7 +245,7 @@ class _Peer:
     name: str
     global_rank: int
     post_lock: threading.Lock = field(default_factory=threading.Lock)  # frames are posted one at a time
-    lane: queue.SimpleQueue[Any] | None = None  # posted frames whose sends the lane waits for
+    lane: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)  # sends the lane waits for
     lane_thread: threading.Thread | None = None
     said_bye: bool = False  # our goodbye is posted: nothing more goes to it (set under post_lock)
     heard_bye: bool = False  # its goodbye arrived: nothing more comes from it
@@ -343,6 +347,11 @@ class C10dTransport:
         self._buffers = Buffers()
         # With one peer, the receiver posts its header receives for that peer alone (see receive_header).
         self._header_src = next(iter(self._peers.values())).global_rank if len(self._peers) == 1 else None
+        for peer in self._peers.values():
+            peer.lane_thread = threading.Thread(
+                target=self._lane_loop, args=(peer,), name=f"pc-c10d-lane-{rank}-{peer.rank}", daemon=True
+            )
+            peer.lane_thread.start()
         self._receiver_done = threading.Event()
         self._receiver: threading.Thread | None = None
         if self._peers:
@@ -487,14 +496,15 @@ class C10dTransport:
             self._state = "stopped"
             leftovers = list(self._pending.values())
             self._pending.clear()
-            lanes = [p for p in self._peers.values() if p.lane is not None]
+            for call in leftovers:
+                self._orphan_locked(call)
+            lanes = list(self._peers.values())
         for call in leftovers:
             call.fail(
                 ConnectionError(f"{call.what} to {self._who(call.peer)} failed: this member shut down first")
             )
         for peer in lanes:
-            if peer.lane is not None:
-                peer.lane.put(_STOP)  # after the frames before it: a lane ends once they are sent
+            peer.lane.put(_STOP)  # after the frames before it: a lane ends once they are sent
         self._chores.put(_STOP)
         stuck = self._workers.stop(deadline) + self._completions.stop(deadline)
         for peer in lanes:
@@ -563,7 +573,7 @@ class C10dTransport:
             heapq.heappush(self._deadlines, (pending.deadline, call_id))
         if first:
             self._chores.put(None)  # the housekeeper's next wake-up moves earlier
-        self._send(to_rank, kind, call_id, data, aux)
+        self._send(to_rank, kind, call_id, data, aux, pending)
         return pending
 
     def _wait(self, pending: _Call) -> Any:
@@ -577,6 +587,7 @@ class C10dTransport:
         with self._lock:
             if self._pending.pop(pending.call_id, None) is None:
                 return  # answered or failed meanwhile, under this lock: its future is complete
+            self._orphan_locked(pending)
             pending.fail(
                 TimeoutError(
                     f"{pending.what} to {self._who(pending.peer)} timed out after {pending.timeout:g} s"
@@ -621,12 +632,22 @@ class C10dTransport:
 
     # -- sending ---------------------------------------------------------------------------------------------
 
-    def _send(self, to_rank: int, kind: int, call_id: int, data: bytes | None = None, aux: int = 0) -> None:
-        """Post a frame to ``to_rank`` from this thread (or deliver it here); its lane waits for the sends.
+    def _send(
+        self,
+        to_rank: int,
+        kind: int,
+        call_id: int,
+        data: bytes | None = None,
+        aux: int = 0,
+        request: _Call | None = None,
+    ) -> None:
+        """Post a frame to ``to_rank`` from this thread (or deliver it here), then see its sends through.
 
-        Posting does not wait for the peer, so a caller is never blocked by a slow or stalled peer; the lane
-        keeps the frame's bytes and works alive until gloo has sent them. A frame that cannot go is dropped,
-        and a dropped request fails its call with ``ConnectionError``.
+        Posting does not wait for the peer. Who waits for the sends (a dropped ``Work`` is a send never
+        made): a request's works stay with its call until the reply, which proves they were sent (then they
+        are dropped, no wait), or go to the peer's lane if the call fails first; a reply is waited for here,
+        by the worker that made it (bounded by the group's timeout); other frames go to the lane. A frame
+        that cannot go is dropped, and a dropped request fails its call with ``ConnectionError``.
         """
         if to_rank == self._rank:
             payload = None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -634,6 +655,7 @@ class C10dTransport:
             return
         peer = self._peers[to_rank]
         failed: str | None = None
+        works: list[Any] = []
         with peer.post_lock:
             if peer.said_bye or peer.lost is not None:
                 failed = peer.lost or "this member said goodbye to it"
@@ -645,35 +667,43 @@ class C10dTransport:
                 else:
                     peer.last_sent = time.monotonic()
                     peer.said_bye = kind == BYE
-                    self._lane(peer).put((works, data, kind == BYE))
+                    if request is not None:
+                        with self._lock:
+                            if self._pending.get(call_id) is request:
+                                request.sent = (works, data)
+                            elif not request.future.done() or request.future.exception() is not None:
+                                peer.lane.put((works, data, False))  # failed meanwhile: the lane waits
+                    elif kind not in (VALUE, ERROR):
+                        peer.lane.put((works, data, kind == BYE))
+        if failed is None and kind in (VALUE, ERROR):
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as exc:
+                failed = f"a send to it failed ({exc})"
         if failed is not None:
             if failed.startswith("a send"):
                 self._lose(to_rank, failed)
-            if kind in REQUESTS:
+            if request is not None:
                 with self._lock:
-                    pending = self._pending.get(call_id)
-                    self._fail_calls_locked([] if pending is None else [pending], failed, to_rank)
+                    if self._pending.get(call_id) is request:
+                        self._fail_calls_locked([request], failed, to_rank)
 
-    def _lane(self, peer: _Peer) -> queue.SimpleQueue[Any]:
-        """The lane of ``peer``, started on first use (the caller holds ``peer.post_lock``)."""
-        if peer.lane is None:
-            peer.lane = queue.SimpleQueue()
-            peer.lane_thread = threading.Thread(
-                target=self._lane_loop,
-                args=(peer, peer.lane),
-                name=f"pc-c10d-lane-{self._rank}-{peer.rank}",
-                daemon=True,
-            )
-            peer.lane_thread.start()
-        return peer.lane
+    def _orphan_locked(self, pending: _Call) -> None:
+        """Hand the sends of a call that ends without a reply to its peer's lane, which waits for them."""
+        if pending.sent is not None:
+            peer = self._peers.get(pending.peer)
+            if peer is not None:
+                peer.lane.put((*pending.sent, False))
+            pending.sent = None
 
-    def _lane_loop(self, peer: _Peer, lane: queue.SimpleQueue[Any]) -> None:
+    def _lane_loop(self, peer: _Peer) -> None:
         """Wait, in order, for the sends posted to ``peer``, until its goodbye is sent or a sentinel comes.
 
         Each wait is bounded by the group's timeout (gloo's); a send that fails marks the peer lost.
         """
         while True:
-            item = lane.get()  # woken by a posted frame or by the sentinel of shutdown / loss
+            item = peer.lane.get()  # woken by a posted frame or by the sentinel of shutdown / loss
             if item is _STOP:
                 return
             works, _data, last = item  # _data: the payload's bytes, alive until its send is done
@@ -744,6 +774,7 @@ class C10dTransport:
             with self._lock:
                 pending = self._pending.pop(call_id, None)
                 if pending is not None:
+                    pending.sent = None  # the reply proves the request's bytes were all sent
                     pending.answer(kind, payload)
                     self._idle.notify_all()
         elif kind == RELEASE:
@@ -841,6 +872,7 @@ class C10dTransport:
     def _fail_calls_locked(self, calls: list[_Call], why: str, rank: int) -> None:
         for pending in calls:
             self._pending.pop(pending.call_id, None)
+            self._orphan_locked(pending)
             pending.fail(ConnectionError(f"{pending.what} to {self._who(rank)} failed: {why}"))
         if calls:
             self._idle.notify_all()
