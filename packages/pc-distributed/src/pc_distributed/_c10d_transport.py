@@ -27,7 +27,8 @@ dropped without a wait: no thread wakes for them); a worker waits for its reply'
 releases, goodbyes and the sends of calls that end without a reply go to the peer's *lane*, a thread that
 waits for them in order. No caller is blocked by a slow or stalled peer.
 
-**The receiver.** One thread per process posts an any-source receive of a header, then, for a large payload,
+**The receiver.** One thread per process posts an any-source receive of a header (in a group of two, a
+receive from the one peer: see "A dead peer"), then, for a large payload,
 a receive of the payload from that sender only, and hands the frame on: requests to a small pool of worker
 threads that run the handler (never the receiver, so a handler may call back into its caller), replies to
 the waiting call. Nothing polls: every thread sleeps in a blocking wait that a frame, a queued item or a
@@ -51,15 +52,16 @@ deadline ends.
   implemented for gloo's point-to-point ops. So the only ways to end the receiver's wait are a frame from a
   live peer or the group's timeout.
 - Dropping a ``Work`` whose operation is still posted is memory-safe in gloo (it holds weak references to
-  the buffer), but a send whose ``Work`` is dropped is never performed and the peer would wait for it; so the
-  lanes wait for every send posted.
+  the buffer), but a send whose ``Work`` is dropped is never performed and the peer would wait for it; so
+  every posted send is waited for, or proven made by the reply to it, before its ``Work`` is dropped.
 
 **Shutdown** (:meth:`C10dTransport.shutdown`) is a goodbye protocol. New calls are refused; calls in
-flight get until the deadline to finish; then a goodbye frame, the last frame of its lane, goes to every peer
-not known to be gone. A member receiving a goodbye fails the calls it has pending on the sender
-(``ConnectionError``), answers with its own goodbye unless it has sent one, and sends nothing more to it. The
-receiver ends once every peer has said goodbye or is lost; the lanes end after their goodbye; the workers and
-the housekeeper end on a sentinel. Peers that shut down at the same time exchange one goodbye each way.
+flight and running handlers get half the time to finish; then a goodbye frame, the last frame to that peer,
+goes to every peer not known to be gone. A member receiving a goodbye fails the calls it has pending on the
+sender (``ConnectionError``), answers with its own goodbye unless it has sent one, and sends nothing more to
+it. The receiver ends once every peer has said goodbye or is lost; the lanes, the workers and the housekeeper
+end on a sentinel, after what was queued before it; calls still pending fail with ``ConnectionError``. Peers
+that shut down at the same time exchange one goodbye each way.
 
 **A dead peer.** Its pair closes (EOF) as soon as its process is gone: a send to it fails at once, which
 marks it lost and fails every call pending on it with ``ConnectionError`` naming it; a call already sent to it
