@@ -472,9 +472,9 @@ class C10dTransport:
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop gracefully within ``timeout`` seconds (None or -1: the transport's default); idempotent.
 
-        Refuses new calls, lets the calls in flight and the handlers running finish until the deadline,
-        says goodbye to every peer, waits for their goodbyes (a peer that died is skipped: the send to it
-        fails at once), then fails whatever is still pending with ``ConnectionError`` and ends the threads.
+        Refuses new calls, gives the calls in flight and the handlers running half the time to finish, says
+        goodbye to every peer, waits for their goodbyes (a peer that died is skipped: the send to it fails at
+        once), then fails whatever is still pending with ``ConnectionError`` and ends the threads.
         Returns by the deadline even if a peer died or a handler never returns (such a thread is a daemon and
         is logged); the process group itself is the caller's to destroy, after this.
         """
@@ -519,8 +519,8 @@ class C10dTransport:
             self._receiver.join(max(0.0, deadline - time.monotonic()))
         if self._receiver is not None and self._receiver.is_alive():
             stuck.append(
-                f"{self._receiver.name} (blocked in gloo's receive: every peer is gone, it ends by itself "
-                f"within group_timeout={self._group_timeout:g} s)"
+                f"{self._receiver.name} (in gloo's receive: a peer's goodbye ends it or, if every peer is "
+                f"gone, the group's timeout, {self._group_timeout:g} s after the last frame)"
             )
         if stuck:
             logger.warning(
