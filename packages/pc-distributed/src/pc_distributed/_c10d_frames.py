@@ -11,6 +11,9 @@ notification round trip on top of its bytes, and a header of one kilobyte costs 
 fifty bytes. The sender's rank is in the header because a gloo any-source receive reveals its sender only
 through ``Work.source_rank``, which torch deprecates.
 
+Every receive is posted with the exact size of the message it takes (gloo accepts a message shorter than the
+receive posted for it, but the transport does not rely on that: a header is always :data:`HEADER_BYTES`).
+
 Only host tensors are ever handed to gloo: its point-to-point ops read and write tensor memory from the host,
 and a CUDA tensor makes its I/O thread fail in a way that aborts the process (:func:`check_host_tensor`).
 Payloads are pickled bytes, so CUDA tensors inside them have already moved through host memory.
