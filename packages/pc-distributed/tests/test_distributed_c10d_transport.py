@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from c10d_testutils import DIED, run_ranks, store_barrier
 
+from pc_distributed import _c10d_frames as frames
 from pc_distributed._c10d_frames import check_host_tensor
 from pc_distributed._c10d_transport import C10dTransport
 from pc_distributed._errors import RemoteTraceback
@@ -362,3 +363,56 @@ def test_shutdown_with_the_only_peer_dead_is_bounded_and_leaves_no_thread() -> N
     assert out["failed_after"] < 20
     assert out["shutdown_after"] < 6
     assert out["threads"] == []
+
+
+def _all_peers_killed(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    store_barrier(store, "up", [0, 1, 2], rank)
+    if rank > 0:
+        _kill_myself()
+    for peer in (1, 2):
+        with pytest.raises((ConnectionError, TimeoutError), match=f"'w{peer}'"):
+            t.call_sync(peer, os.getpid, timeout=20)
+    started = time.monotonic()
+    t.shutdown(timeout=3)
+    out["shutdown_after"] = time.monotonic() - started
+    # The any-source receive of a group of three is ended by no peer's death: the group's timeout (6 s after
+    # the last frame) ends it, and with it the receiver thread.
+    for th in [th for th in threading.enumerate() if th.name.startswith("pc-c10d-recv")]:
+        th.join(60)
+    out["threads"] = _c10d_threads()
+    return out
+
+
+def test_shutdown_with_every_peer_dead_returns_in_time_and_the_receiver_ends_with_the_group_timeout() -> None:
+    results = run_ranks(_all_peers_killed, 3, barrier=False, may_die=(1, 2), group_timeout=6.0)
+    assert results[1:] == [DIED, DIED]
+    assert results[0]["shutdown_after"] < 6
+    assert results[0]["threads"] == []
+
+
+def _dies_mid_frame(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    store_barrier(store, "up", [0, 1, 2], rank)
+    if rank == 2:
+        # the words of a frame whose 1 MB payload never follows: the receiver waits for it from rank 2 only
+        header = bytearray(frames.HEADER_BYTES)
+        frames._WORDS.pack_into(header, 0, frames._MAGIC, frames.CALL, 2, 999, 0, 1 << 20, 0)
+        tensor = torch.frombuffer(header, dtype=torch.uint8)
+        dist.isend(tensor, dst=0, group=t._group, tag=frames.HEADER_TAG).wait()
+        _kill_myself()
+    if rank == 0:
+        with pytest.raises(ConnectionError, match="'w2'"):
+            t.call_sync(2, os.getpid, timeout=20)
+        store.set("w2 lost", "1")
+    store.wait(["w2 lost"], timedelta(seconds=60))
+    # the receiver dropped the partial frame and serves the others as before, both ways
+    out["after"] = t.call_sync(1 - rank, lambda: "still serving")
+    store_barrier(store, "done", [0, 1], rank)
+    return out
+
+
+def test_a_peer_dying_mid_frame_is_lost_and_nothing_else_is_affected() -> None:
+    results = run_ranks(_dies_mid_frame, 3, barrier=False, may_die=(2,))
+    assert results[2] == DIED
+    assert [r["after"] for r in results[:2]] == ["still serving", "still serving"]
