@@ -27,6 +27,57 @@ def _expect(exc_type: type[BaseException], fn: Any, *args: Any, **kwargs: Any) -
     raise AssertionError(f"{fn!r} did not raise {exc_type.__name__}")
 
 
+def _staged_point_to_point(group: pd.CollectiveGroup, rank: int) -> dict[str, Any]:
+    """The host-staged path of send/recv/isend/irecv (a CUDA tensor's on gloo), forced for CPU tensors.
+
+    Every received value must land in the caller's own tensor object, also for an ``irecv`` once ``wait()``
+    returned.
+    """
+    from pc_distributed import _torch_dist
+
+    carries = _torch_dist.p2p_carries
+    _torch_dist.p2p_carries = lambda backend, device_type: False  # type: ignore[assignment]
+    received_into: list[torch.Tensor] = []  # the tensors torch's recv/irecv were given
+    originals = {name: getattr(dist, name) for name in ("send", "recv", "isend", "irecv")}
+
+    def spy(name: str) -> Any:
+        def op(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if "recv" in name:
+                received_into.append(tensor)
+            return originals[name](tensor, *args, **kwargs)
+
+        return op
+
+    for name in originals:
+        setattr(dist, name, spy(name))
+    got: dict[str, Any] = {}
+    callers: list[torch.Tensor] = []
+    try:
+        if rank == 0:
+            callers += [torch.tensor([20.0, 21.0]), torch.tensor([22.0]), torch.zeros(1)]
+            group.send(callers[0], 1)
+            group.isend(callers[1], 1).wait()
+            got["staged_any"] = (group.irecv(callers[2]).wait(timeout=20), callers[2].item())
+        elif rank == 1:
+            callers += [torch.zeros(2), torch.zeros(1)]
+            got["staged_recv"] = (group.recv(callers[0], src=0), callers[0].tolist())
+            handle = group.irecv(callers[1], src=0)
+            got["staged_irecv"] = (handle.wait(timeout=20), callers[1].item())
+            got["staged_irecv_again"] = (handle.wait(timeout=20), callers[1].item())  # the copy is made once
+        else:
+            callers.append(torch.tensor([23.0]))
+            group.send(callers[0], 0)
+    finally:
+        _torch_dist.p2p_carries = carries  # type: ignore[assignment]
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    group.barrier()
+    # the any-source receive runs torch's recv on a thread of its own, which the spy sees too
+    # (a send of a CPU tensor hands torch the tensor itself: ``.cpu()`` copies only what is elsewhere)
+    got["staged_receives"] = (len(received_into), any(r is c for r in received_into for c in callers))
+    return got
+
+
 def _collective_checks(rank: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     world = pd.get_world()
@@ -58,6 +109,7 @@ def _collective_checks(rank: int) -> dict[str, Any]:
     else:
         group.send(torch.tensor([12.0]), 0)
     group.barrier()
+    out.update(_staged_point_to_point(group, rank))
 
     t = torch.tensor([float(rank)])
     group.broadcast(t, 2)
@@ -197,6 +249,35 @@ def test_point_to_point_returns_sender(observed: list[dict[str, Any]]) -> None:
         (observed[0]["recv_any"], observed[0]["recv_any_val"]),
     }
     assert got == {(1, 11.0), (2, 12.0)}
+
+
+def test_host_staged_point_to_point_lands_in_the_callers_tensor(observed: list[dict[str, Any]]) -> None:
+    assert observed[1]["staged_recv"] == (0, [20.0, 21.0])
+    assert observed[1]["staged_irecv"] == (0, 22.0)
+    assert observed[1]["staged_irecv_again"] == (0, 22.0)
+    assert observed[0]["staged_any"] == (2, 23.0)
+    # every receive went into a host buffer, never into the caller's tensor itself
+    assert [o["staged_receives"] for o in observed] == [(1, False), (2, False), (0, False)]
+
+
+@pytest.mark.parametrize(
+    ("backend", "device_type", "carries"),
+    [
+        ("gloo", "cpu", True),
+        ("gloo", "cuda", False),  # gloo's send/recv of a CUDA tensor aborts the process
+        ("GLOO", "cuda", False),
+        ("nccl", "cuda", True),
+        ("cpu:gloo,cuda:nccl", "cuda", True),
+        ("cpu:gloo,cuda:gloo", "cuda", False),
+        ("mpi", "cuda", True),  # a backend not known here is trusted with what torch hands it
+    ],
+)
+def test_which_backends_carry_a_device_in_point_to_point(
+    backend: str, device_type: str, carries: bool
+) -> None:
+    from pc_distributed import _torch_dist
+
+    assert _torch_dist.p2p_carries(backend, device_type) is carries
 
 
 def test_collectives(observed: list[dict[str, Any]]) -> None:

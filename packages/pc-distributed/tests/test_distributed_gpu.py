@@ -44,3 +44,31 @@ def test_nccl_collectives_one_rank_per_device(cuda_devices: int) -> None:
         assert r["broadcast"] == [0.0, 0.0]
         assert r["multigpu"] == [total] * 3
         assert r["all_gather"] == [float(i) for i in range(size)]
+
+
+def _gloo_cuda_point_to_point(rank: int) -> dict[str, Any]:
+    world = pd.get_world()
+    assert world is not None
+    group = world.create_collective_group([0, 1], timeout=60)
+    if rank == 0:
+        group.send(torch.arange(4.0, device="cuda:0"), 1)
+        group.isend(torch.full((2,), 7.0, device="cuda:0"), 1).wait()
+        return {}
+    got = torch.zeros(4, device="cuda:0")
+    sender = group.recv(got, src=0)
+    later = torch.zeros(2, device="cuda:0")
+    group.irecv(later, src=0).wait(timeout=60)
+    return {
+        "sender": sender,
+        "got": got.cpu().tolist(),
+        "later": later.cpu().tolist(),
+        "device": str(got.device),
+    }
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_cross_gloo_point_to_point_through_the_host(cuda_devices: int) -> None:
+    # Two ranks sharing cuda:0 over gloo: handed to gloo's send/recv as they are, CUDA tensors abort the
+    # process.
+    results = pd.run_world(_gloo_cuda_point_to_point, 2, backend="gloo", init_rpc=False, timeout=170)
+    assert results[1] == {"sender": 0, "got": [0.0, 1.0, 2.0, 3.0], "later": [7.0, 7.0], "device": "cuda:0"}

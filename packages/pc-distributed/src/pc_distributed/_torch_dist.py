@@ -29,6 +29,7 @@ __all__ = [
     "master_store",
     "new_group",
     "open_store",
+    "p2p_carries",
     "prefix_store",
     "rpc_options",
     "shutdown_rpc",
@@ -46,6 +47,27 @@ _EVENT_TRANSPORT = "uv"
 _rendezvous: Any = dist.rendezvous  # type: ignore[attr-defined]
 
 logger = logging.getLogger(__name__)
+
+
+def p2p_carries(backend: str, device_type: str) -> bool:
+    """Whether point-to-point ops of a group on ``backend`` take tensors on ``device_type`` as they are.
+
+    Gloo's collectives stage CUDA tensors through the host, but its ``send``/``recv`` hand the tensor's memory
+    to the socket: a CUDA tensor aborts the process (``gloo::IoException ... Bad address``). NCCL carries
+    CUDA tensors; a group with one backend per device type reads ``"cpu:gloo,cuda:nccl"``. A backend not
+    named here (MPI, a plug-in) is trusted with what torch hands it.
+
+    Args:
+        backend: What ``torch.distributed.get_backend(group)`` says.
+        device_type: The tensor's ``device.type``.
+    """
+    if device_type == "cpu":
+        return True
+    name = backend.lower()
+    if ":" in name:
+        per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        name = per_device.get(device_type, "")
+    return name != "gloo"
 
 
 def open_store(url: str, rank: int, world_size: int, timeout: float) -> Any:

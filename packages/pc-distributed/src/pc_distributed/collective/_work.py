@@ -16,19 +16,38 @@ __all__ = ["ChainedWork", "RecvHandle"]
 
 
 class RecvHandle:
-    """What :meth:`CollectiveGroup.irecv` returns: ``wait(timeout=None)`` returns the sender's global rank."""
+    """What :meth:`CollectiveGroup.irecv` returns: ``wait(timeout=None)`` returns the sender's global rank.
 
-    def __init__(self, src: int | None, work: Any = None, timeout: float = 60.0) -> None:
+    ``finish`` (if given) runs once, in the first ``wait()`` that sees the receive complete: the copy of a
+    host-staged receive into the caller's tensor.
+    """
+
+    def __init__(
+        self,
+        src: int | None,
+        work: Any = None,
+        timeout: float = 60.0,
+        finish: Callable[[], object] | None = None,
+    ) -> None:
         self._src = src
         self._work = work
         self._timeout = timeout
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._finish = finish
+        self._finish_lock = threading.Lock()
 
     @classmethod
-    def any_source(cls, tensor: torch.Tensor, pg: Any, tag: int, timeout: float) -> RecvHandle:
+    def any_source(
+        cls,
+        tensor: torch.Tensor,
+        pg: Any,
+        tag: int,
+        timeout: float,
+        finish: Callable[[], object] | None = None,
+    ) -> RecvHandle:
         """Post a receive from any source in a daemon thread (torch reveals the sender only to ``recv``)."""
-        handle = cls(None, None, timeout)
+        handle = cls(None, None, timeout, finish)
 
         def receive() -> None:
             try:
@@ -42,13 +61,13 @@ class RecvHandle:
         return handle
 
     def is_completed(self) -> bool:
-        """Whether the receive finished."""
-        if self._work is not None:
+        """Whether the receive finished (its values are in the tensor once :meth:`wait` returned)."""
+        if self._work is not None and not self._done.is_set():
             return bool(self._work.is_completed())
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for the tensor and return the sender's global rank.
+        """Wait for the tensor and return the sender's global rank (again, at once, on a later call).
 
         Args:
             timeout: Seconds (None or -1: the group's timeout).
@@ -59,18 +78,23 @@ class RecvHandle:
         """
         limit = resolve_timeout(timeout, self._timeout)
         if self._work is not None:
-            try:
-                self._work.wait(timeout=timedelta(seconds=limit))
-            except RuntimeError as exc:
-                if is_timeout(exc):
-                    raise TimeoutError(f"irecv from rank {self._src} timed out after {limit:g} s") from exc
-                raise
-            assert self._src is not None
-            return self._src
-        if not self._done.wait(limit):
+            if not self._done.is_set():  # gloo counts completions: a second wait() of its work would block
+                try:
+                    self._work.wait(timeout=timedelta(seconds=limit))
+                except RuntimeError as exc:
+                    if is_timeout(exc):
+                        what = f"irecv from rank {self._src} timed out after {limit:g} s"
+                        raise TimeoutError(what) from exc
+                    raise
+                self._done.set()
+        elif not self._done.wait(limit):
             raise TimeoutError(f"irecv from any source timed out after {limit:g} s")
-        if self._error is not None:
+        elif self._error is not None:
             raise self._error
+        with self._finish_lock:
+            finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
         assert self._src is not None
         return self._src
 

@@ -7,6 +7,7 @@ World (:func:`create_collective_group`), which it does not import: it sees it as
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -87,31 +88,61 @@ class CollectiveGroup:
             dist.destroy_process_group(self.group)
 
     # -- point to point ---
+    # A tensor on a device the group's backend cannot send from (a CUDA tensor on gloo, whose point-to-point
+    # ops would abort the process) goes through a host copy: sent from a CPU copy, received into a CPU buffer
+    # that is copied into the tensor once the receive completes.
+    @staticmethod
+    def _host_staged(pg: Any, tensor: torch.Tensor) -> bool:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        return not _torch_dist.p2p_carries(str(dist.get_backend(pg)), tensor.device.type)
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Send ``tensor`` to global rank ``dst``."""
-        dist.send(tensor, self._check_rank("dst", dst), group=self._pg(), tag=tag)
+        """Send ``tensor`` to global rank ``dst`` (through a host copy where the backend needs one)."""
+        pg = self._pg()
+        dst = self._check_rank("dst", dst)
+        dist.send(tensor.cpu() if self._host_staged(pg, tensor) else tensor, dst, group=pg, tag=tag)
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
         """Receive into ``tensor`` from ``src`` (None: any member); return the sender's global rank."""
         pg = self._pg()
         if src is not None:
             self._check_rank("src", src)
-        return int(dist.recv(tensor, src=src, group=pg, tag=tag))
+        if not self._host_staged(pg, tensor):
+            return int(dist.recv(tensor, src=src, group=pg, tag=tag))
+        host = torch.empty(tensor.shape, dtype=tensor.dtype)
+        sender = int(dist.recv(host, src=src, group=pg, tag=tag))
+        tensor.copy_(host)
+        return sender
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Any:
-        """Send ``tensor`` asynchronously; returns a request with ``wait()``."""
-        return dist.isend(tensor, self._check_rank("dst", dst), group=self._pg(), tag=tag)
+        """Send ``tensor`` asynchronously; returns a request with ``wait()``.
+
+        Where the backend needs a host copy, the copy is made before this returns, so the tensor may change
+        at once.
+        """
+        pg = self._pg()
+        dst = self._check_rank("dst", dst)
+        return dist.isend(tensor.cpu() if self._host_staged(pg, tensor) else tensor, dst, group=pg, tag=tag)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> RecvHandle:
         """Receive asynchronously; ``wait(timeout=None)`` on the result returns the sender's global rank.
 
-        ``src=None`` receives from any member (gloo and MPI only).
+        ``src=None`` receives from any member (gloo and MPI only). Where the backend needs a host copy, the
+        received values are in ``tensor`` once ``wait()`` has returned.
         """
         pg = self._pg()
+        if src is not None:
+            self._check_rank("src", src)
+        target = tensor
+        finish = None
+        if self._host_staged(pg, tensor):
+            target = torch.empty(tensor.shape, dtype=tensor.dtype)
+            finish = functools.partial(tensor.copy_, target)
         if src is None:
-            return RecvHandle.any_source(tensor, pg, tag, self.timeout)
-        work = dist.irecv(tensor, src=self._check_rank("src", src), group=pg, tag=tag)
-        return RecvHandle(src, work, self.timeout)
+            return RecvHandle.any_source(target, pg, tag, self.timeout, finish=finish)
+        work = dist.irecv(target, src=src, group=pg, tag=tag)
+        return RecvHandle(src, work, self.timeout, finish=finish)
 
     # -- collectives ---
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Any:
