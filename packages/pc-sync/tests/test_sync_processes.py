@@ -83,6 +83,16 @@ def test_bfloat16_autocast_keeps_fp32_statistics_of_the_whole_batch(grid: list[d
         assert obs["output"] < 0.05, obs
 
 
+def test_parameter_gradients_alone_make_no_backward_exchange(grid: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(grid):
+        obs = result["parameter_grads_only"]
+        assert obs["bias_is_none"]
+        # the input needs no gradient, so backward has nothing to exchange: the forward's all_gather alone
+        assert obs["collectives"] == {"all_gather": 1}
+        bad = {k: v for k, v in obs["diff"].items() if not v <= TOL}
+        assert not bad, f"rank {rank}: {bad}"
+
+
 def test_one_member_group_is_a_plain_batch_norm(grid: list[dict[str, Any]]) -> None:
     for result in grid:
         obs = result["one_member"]

@@ -89,8 +89,8 @@ class _AcrossProcesses(torch.autograd.Function):
         ordinal: int | None,
     ) -> torch.Tensor:
         dtype = centered.dtype
-        w = None if weight is None else weight.to(dtype)
-        b = None if bias is None else bias.to(dtype)
+        w = weight if weight is None or weight.dtype == dtype else weight.to(dtype)
+        b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
         out = F.batch_norm(centered, shift, var, w, b, False, 0.0, eps)
         ctx.save_for_backward(centered, shift, var, w)
         ctx.eps = eps
@@ -119,11 +119,13 @@ class _AcrossProcesses(torch.autograd.Function):
         if not needs_x:
             return None, grad_w, grad_b, *rest
         channels = sum_g.numel()
-        summed = exchange_gradients([sum_gxhat, sum_g], ctx.ordinal, ctx.group).to(g.dtype)
+        summed = exchange_gradients([sum_gxhat, sum_g], ctx.ordinal, ctx.group)
+        if summed.dtype != g.dtype:
+            summed = summed.to(g.dtype)
         scale = inv_std if w is None else inv_std * w
-        per_value = scale / ctx.total
-        factor = -per_value * inv_std * summed[:channels]  # B
-        offset = -per_value * summed[channels:] - factor * shift  # C
+        k = scale * (-1.0 / ctx.total)
+        factor = k * inv_std * summed[:channels]  # B = -scale * inv_std * H / N
+        offset = torch.addcmul(k * summed[channels:], factor, shift, value=-1.0)  # C = -scale * G / N - B * shift
         dx = channel_affine(centered, factor, offset)
         dx.addcmul_(g, scale.reshape([1, channels] + [1] * (g.dim() - 2)))
         return dx, grad_w, grad_b, *rest
