@@ -157,12 +157,12 @@ def main() -> None:
         ),
     )
     report.note(
-        f"process-group SyncBatchNorm rows: wall time per step on rank 0, median of {repeat} interleaved rounds "
-        f"of 2 steps after 3 warm-up steps, one intra-op thread per rank, {os.cpu_count()} CPUs, load average "
-        f"{load_before:.1f} before and {load_after:.1f} after the run; the same rounds' minima give SyncBatchNorm "
-        f"/ plain BN {fastest['pc'] / fastest['plain']:.3f}x and naive / plain BN "
-        f"{fastest['naive'] / fastest['plain']:.3f}x; torch.nn.SyncBatchNorm refuses CPU tensors, so it has no "
-        "CPU row"
+        f"process-group SyncBatchNorm rows: wall time per step on rank 0, median of {repeat} interleaved "
+        f"rounds of 2 steps after 3 warm-up steps, one intra-op thread per rank, {os.cpu_count()} CPUs, load "
+        f"average {load_before:.1f} before and {load_after:.1f} after the run; the same rounds' minima give "
+        f"SyncBatchNorm / plain BN {fastest['pc'] / fastest['plain']:.3f}x and naive / plain BN "
+        f"{fastest['naive'] / fastest['plain']:.3f}x; torch.nn.SyncBatchNorm refuses CPU tensors, so it has "
+        "no CPU row"
     )
     report.finish(args)
 

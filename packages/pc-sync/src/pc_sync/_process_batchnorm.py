@@ -124,8 +124,10 @@ class _AcrossProcesses(torch.autograd.Function):
             summed = summed.to(g.dtype)
         scale = inv_std if w is None else inv_std * w
         k = scale * (-1.0 / ctx.total)
-        factor = k * inv_std * summed[:channels]  # B = -scale * inv_std * H / N
-        offset = torch.addcmul(k * summed[channels:], factor, shift, value=-1.0)  # C = -scale * G / N - B * shift
+        # dx = A * g + B * centered + C with A = scale, B = -scale * inv_std * H / N and
+        # C = -scale * G / N - B * shift (centered - shift is x - mean)
+        factor = k * inv_std * summed[:channels]
+        offset = torch.addcmul(k * summed[channels:], factor, shift, value=-1.0)
         dx = channel_affine(centered, factor, offset)
         dx.addcmul_(g, scale.reshape([1, channels] + [1] * (g.dim() - 2)))
         return dx, grad_w, grad_b, *rest
