@@ -153,7 +153,10 @@ def main() -> None:
         if ratio <= 1.3
         else (
             "the synchronized step adds one all_gather per layer in forward and one all_reduce per layer in "
-            "backward, each a blocking gloo round trip between the ranks, to a step whose compute is small"
+            "backward, each a blocking gloo round trip between the ranks and a point where both ranks must "
+            f"be running at once: at a load average of {max(load_before, load_after):.1f} on "
+            f"{os.cpu_count()} CPUs a rank waits for its peer to be scheduled again (the rounds' minima: "
+            f"{fastest['pc'] / fastest['plain']:.3f}x)"
         ),
     )
     report.note(
