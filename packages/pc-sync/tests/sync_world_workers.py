@@ -103,7 +103,7 @@ def compare_layer(
         model = ReplicationCallbackDataParallel(ours, device_ids=["cpu"] * replicas)
     lo, hi = _bounds(sizes, rank)
     worst: dict[str, float] = {}
-    collectives: list[dict[str, int]] = []
+    collectives: list[dict[str, dict[str, int]]] = []
 
     def note(key: str, value: float) -> None:
         worst[key] = max(worst.get(key, 0.0), value)
@@ -127,10 +127,11 @@ def compare_layer(
         x_ref = x.clone().requires_grad_(True)
         x_ours = x[lo:hi].clone().requires_grad_(True)
         y_ref = ref(x_ref)
-        with count_collectives() as counts:
+        with count_collectives() as forward_counts:
             y_ours = model(x_ours)
+        with count_collectives() as backward_counts:
             (y_ours * g[lo:hi]).sum().backward()
-        collectives.append(dict(counts))
+        collectives.append({"forward": dict(forward_counts), "backward": dict(backward_counts)})
         (y_ref * g).sum().backward()
         note("output", _max_diff(y_ours, y_ref[lo:hi]))
         note("input_grad", _max_diff(x_ours.grad, x_ref.grad[lo:hi] if x_ref.grad is not None else None))

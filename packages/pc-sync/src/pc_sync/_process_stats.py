@@ -4,7 +4,12 @@ One collective in forward, one in backward, public ``torch.distributed`` calls o
 NCCL on CUDA tensors, any backend with ``all_gather`` and ``all_reduce``)::
 
     forward:  (n_p, mean_p, M2_p) ──all_gather──► every rank: Chan combine in rank order ──► (mean, M2, N)
-    backward: (dL_p/dmean, dL_p/dM2) ──all_reduce(SUM)──► (dL/dmean, dL/dM2) ──► this rank's (mean_p, M2_p)
+    backward: (dL_p/dmean, dL_p/dM2) ──sum over the ranks──► (dL/dmean, dL/dM2) ──► this rank's (mean_p, M2_p)
+
+The backward sum is an ``all_gather`` summed in rank order for CPU tensors and an ``all_reduce`` for others:
+gloo's ring ``all_gather`` of a small packet takes one round between the ranks where its ``all_reduce`` takes
+two, and each round costs the ranks' threads CPU that a machine with few cores has to take from the compute;
+NCCL's ``all_reduce`` is one kernel.
 
 Forward gathers each rank's count, mean and sum of squared deviations (M2) rather than summing sums and sums
 of squares: Chan's combination keeps the precision of data far from zero, and every rank combines the same
@@ -86,12 +91,12 @@ def _lost_peer(phase: str, group: Any, exc: BaseException) -> Exception:
     return ConnectionError(message)
 
 
-def _all_gather(local: torch.Tensor, size: int, group: Any) -> torch.Tensor:
+def _all_gather(local: torch.Tensor, size: int, group: Any, phase: str = "forward") -> torch.Tensor:
     table = [torch.empty_like(local) for _ in range(size)]
     try:
         dist.all_gather(table, local, group=group)
     except RuntimeError as exc:
-        raise _lost_peer("forward", group, exc) from exc
+        raise _lost_peer(phase, group, exc) from exc
     return torch.stack(table)
 
 
@@ -103,7 +108,7 @@ def _all_reduce(packet: torch.Tensor, group: Any) -> None:
 
 
 def _check_same_call(summed: float, ordinal: int, group: Any) -> None:
-    """Raise if a backward all_reduce summed different layer calls' gradients across the ranks."""
+    """Raise if a backward exchange summed different layer calls' gradients across the ranks."""
     expected = float(ordinal) * dist.get_world_size(group)
     if summed != expected:
         raise RuntimeError(
@@ -121,7 +126,10 @@ def _check_pending(group: Any) -> None:
 
 
 def exchange_gradients(parts: list[torch.Tensor], ordinal: int, group: Any) -> torch.Tensor:
-    """The sum over ``group`` of the concatenated per-channel gradient ``parts``: one ``all_reduce``.
+    """The sum over ``group`` of the concatenated per-channel gradient ``parts``: one collective.
+
+    On CPU an ``all_gather`` summed in rank order (one gloo round; every rank gets bitwise the same sum),
+    elsewhere an ``all_reduce``.
 
     The packet carries ``ordinal`` (the layer call's place among the group's recording calls) after the
     parts; the sum of the ordinals proves that every rank sent the same layer call's gradients (checked at
@@ -133,7 +141,10 @@ def exchange_gradients(parts: list[torch.Tensor], ordinal: int, group: Any) -> t
     device = parts[0].device
     tag = torch.full((1,), float(ordinal), dtype=_WIRE, device=device)
     packet = torch.cat([*(p.reshape(-1).to(_WIRE) for p in parts), tag])
-    _all_reduce(packet, group)
+    if device.type == "cpu":
+        packet = _all_gather(packet, group_size(group), group, "backward").sum(0)
+    else:
+        _all_reduce(packet, group)
     if device.type == "cpu":
         _check_same_call(float(packet[-1]), ordinal, group)
     else:  # read at the next forward exchange, which reads the gathered counts anyway: no extra sync here
@@ -209,7 +220,7 @@ def exchange_statistics(
         raise ValueError(
             f"SyncBatchNorm: ranks {without} of the process group run this layer without autograd recording "
             "(no_grad, or an input that does not require grad) while the others record it; the backward "
-            "all_reduce would wait forever. Run the same mode on every rank"
+            "exchange would wait forever. Run the same mode on every rank"
         )
     if total == 0:
         raise ValueError("SyncBatchNorm: the batch is empty on every rank of the process group")
