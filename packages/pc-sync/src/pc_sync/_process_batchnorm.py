@@ -71,7 +71,7 @@ def local_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return mean.reshape(channels), m2, centered, count
 
 
-class _AcrossProcesses(torch.autograd.Function):
+class _ProcessBatchNorm(torch.autograd.Function):
     """``(x, weight, bias) -> y``: the normalization with given global statistics; backward exchanges once."""
 
     @staticmethod
@@ -167,7 +167,7 @@ def batch_norm_across(
     Returns:
         The normalized tensor, of ``centered``'s shape, dtype and memory format.
     """
-    out: torch.Tensor = _AcrossProcesses.apply(  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _ProcessBatchNorm.apply(  # type: ignore[no-untyped-call]
         x, weight, bias, centered, shift, var, eps, total, group, ordinal
     )
     return out
