@@ -7,7 +7,7 @@ torch's fused kernels plus the few passes that the exchange forces between a red
               ──all_gather (count, mean_p, M2_p)──► (mean, var) of the whole batch  (pc_sync._process_stats)
               y = (c - (mean - mean_p)) * inv_std * weight + bias              (torch's eval-mode batch norm)
     backward: sum(g), sum(g * c)                                               (this process's part)
-              ──all_reduce (sum(g * xhat), sum(g))──► (H, G) of the whole batch
+              ──sum over the ranks of (sum(g * xhat), sum(g))──► (H, G) of the whole batch
               dx = inv_std * weight * (g - G / N - xhat * H / N)               (one fused affine + addcmul_)
 
 Why not the replicas' two nodes (``pc_sync._autograd``) with a node for the exchange: their small per-channel
@@ -21,9 +21,10 @@ in the output and in ``sum(g * xhat)``, where ``x * inv_std - mean * inv_std`` w
 
 The gradient: with ``xhat = (x - mean) * inv_std`` and ``y = xhat * w + b``, the full-batch derivative is
 ``dx = w * inv_std * (g - G / N - xhat * H / N)`` where ``G = sum(g)`` and ``H = sum(g * xhat)`` run over the
-whole batch (every process's share): each process computes its part with the common ``mean`` and ``inv_std``,
-the exchange sums them, and ``dx`` is ``A * g + B * c + C`` per channel. The parameter gradients are this
-process's ``H_p`` and ``G_p``: DDP (or the caller) sums them over the processes as for any parameter.
+whole batch (every process's share): each process computes its part with the common ``mean`` and
+``inv_std``, the exchange (``pc_sync._process_stats.exchange_gradients``) sums them, and ``dx`` is
+``A * g + B * c + C`` per channel. The parameter gradients are this process's ``H_p`` and ``G_p``: DDP (or
+the caller) sums them over the processes as for any parameter.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def batch_norm_across(
     """``(x - mean) / sqrt(var + eps) * weight + bias`` with the whole batch's ``mean`` and ``var``.
 
     Differentiable in ``x``, ``weight`` and ``bias``; the ``x`` gradient is that of the batch norm of the
-    whole batch, whose backward makes one ``all_reduce`` over ``group`` (every process of the group must run
+    whole batch, whose backward makes one exchange over ``group`` (every process of the group must run
     it; ``ordinal`` is this call's number from :func:`pc_sync._process_stats.next_ordinal`, ``None`` when
     ``x`` does not require grad).
 

@@ -8,7 +8,7 @@ Two levels, one collective per layer call::
 
 Inside a process the replicas exchange autograd-tracked tensors through a :class:`~pc_sync.SyncMaster`, as
 :class:`~pc_sync.SynchronizedBatchNorm2d` does; across processes forward makes one ``all_gather`` and backward
-one ``all_reduce`` (see ``pc_sync._process_stats``). Without replicas the first level is skipped and the layer
+one exchange (see ``pc_sync._process_stats``). Without replicas the first level is skipped and the layer
 is a single autograd node (``pc_sync._process_batchnorm``); with a one-process group (or no initialized
 ``torch.distributed``) the second level is skipped.
 """
