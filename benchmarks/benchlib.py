@@ -34,7 +34,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Report", "Row", "Target", "bench_args", "interleaved_min", "median_time"]
+__all__ = [
+    "Report",
+    "Row",
+    "Target",
+    "bench_args",
+    "interleaved_min",
+    "interleaved_samples",
+    "median_time",
+]
 
 
 def bench_args(package: str, argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +68,40 @@ def median_time(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1, numb
     return statistics.median(samples)
 
 
+def interleaved_samples(
+    fns: dict[str, Callable[[], Any]],
+    repeat: int,
+    number: int = 1,
+    sync: Callable[[], Any] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    warmup: int = 1,
+) -> dict[str, list[float]]:
+    """Per variant, the mean time of ``number`` calls in each of ``repeat`` interleaved rounds.
+
+    The variants run round by round, in reverse order every other round, so a load drift and the position
+    in a round (caches warmed or evicted by the variant before) hit them all alike. Each variant is called
+    ``warmup`` times first. ``sync`` (e.g. ``torch.cuda.synchronize``) runs after the warm-up and after each
+    variant's calls, inside the timing. ``clock`` is wall time by default; ``time.thread_time`` measures the
+    CPU time of single-threaded work, which other processes on a shared machine do not inflate.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    if sync is not None:
+        sync()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns.items())
+    for r in range(repeat):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            start = clock()
+            for _ in range(number):
+                fn()
+            if sync is not None:
+                sync()
+            samples[name].append((clock() - start) / number)
+    return samples
+
+
 def interleaved_min(
     fns: dict[str, Callable[[], Any]],
     repeat: int,
@@ -69,27 +111,9 @@ def interleaved_min(
 ) -> dict[str, float]:
     """Per variant, the min over ``repeat`` interleaved rounds of the mean time of ``number`` calls.
 
-    The variants run round by round, in reverse order every other round, so a load drift and the position
-    in a round (caches warmed or evicted by the variant before) hit them all alike. ``sync`` (e.g.
-    ``torch.cuda.synchronize``) runs after the warm-up and after each variant's calls, inside the timing.
-    ``clock`` is wall time by default; ``time.thread_time`` measures the CPU time of single-threaded work,
-    which other processes on a shared machine do not inflate.
+    See :func:`interleaved_samples` for the rounds, ``sync`` and ``clock``.
     """
-    for fn in fns.values():
-        fn()
-    if sync is not None:
-        sync()
-    best = {name: float("inf") for name in fns}
-    order = list(fns.items())
-    for r in range(repeat):
-        for name, fn in order if r % 2 == 0 else order[::-1]:
-            start = clock()
-            for _ in range(number):
-                fn()
-            if sync is not None:
-                sync()
-            best[name] = min(best[name], (clock() - start) / number)
-    return best
+    return {name: min(s) for name, s in interleaved_samples(fns, repeat, number, sync, clock).items()}
 
 
 @dataclass

@@ -1,23 +1,29 @@
 """pc-sync benchmark: a training step of a small CNN under DDP with gloo on CPU, 2 ranks.
 
 Three variants of the same model, measured side by side in one local world (``pc_distributed.run_world``),
-round by round in alternating order (``interleaved_min``), every rank running the same sequence:
+round by round in alternating order (``interleaved_samples``), every rank running the same sequence:
 
 1. ``nn.BatchNorm2d`` -- the cost of not synchronizing (the baseline of the issue's target);
 2. ``pc_sync.SyncBatchNorm`` (``convert_sync_batchnorm``): one ``all_gather`` in forward and one
-   ``all_reduce`` in backward per layer, hand-written backward;
+   ``all_reduce`` in backward per layer, one autograd node per layer with a hand-written backward;
 3. a naive synchronized batch norm written here: ``all_reduce`` of per-channel sums and sums of squares
    through a differentiable ``all_reduce`` (its backward all-reduces the gradient), the rest composite ops.
 
-Each rank runs one intra-op thread. Times are wall time per step on rank 0 (the minimum over interleaved
-rounds): the step includes the collectives, whose waiting is not CPU time.
+Each rank runs one intra-op thread. Every variant first runs three warm-up steps (DDP rebuilds its gradient
+buckets after the first). Times are wall time per step on rank 0, the median over interleaved rounds of two
+steps each: the step includes the collectives, whose waiting is not CPU time. Every collective is a point
+where both ranks must be running, so on a machine whose cores other processes share the synchronized
+variants lose more to the load than plain batch norm (one gradient all-reduce per step); the run records the
+load average beside the figures.
 
 Run: ``python packages/pc-sync/benchmarks/run_processes.py [--quick] [--out results.json]``.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benchmarks"))
-from benchlib import Report, bench_args, interleaved_min
+from benchlib import Report, bench_args, interleaved_samples
 
 import pc_distributed
 import pc_sync
@@ -93,7 +99,7 @@ def small_cnn(norm: Callable[[int], nn.Module]) -> nn.Module:
     )
 
 
-def _rank(rank: int, batch: int, repeat: int) -> dict[str, float]:
+def _rank(rank: int, batch: int, repeat: int) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     variants = {
         "plain": small_cnn(nn.BatchNorm2d),
@@ -114,21 +120,25 @@ def _rank(rank: int, batch: int, repeat: int) -> dict[str, float]:
             opt.step()
 
         steps[name] = step
-    best = interleaved_min(steps, repeat, number=2)
+    samples = interleaved_samples(steps, repeat, number=2, warmup=3)
     dist.barrier()
-    return best
+    return samples
 
 
 def main() -> None:
     args = bench_args("pc-sync processes")
     report = Report("pc-sync")
-    batch, repeat = (16, 5) if args.quick else (32, 20)
+    batch, repeat = (16, 5) if args.quick else (32, 40)
     # A torch optimizer's first construction imports torch._dynamo; forked ranks inherit it from here.
     torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    load_before = os.getloadavg()[0]
     results = pc_distributed.run_world(
         _rank, RANKS, args=(batch, repeat), start_method="fork", init_rpc=False, timeout=600
     )
-    best = results[0]
+    load_after = os.getloadavg()[0]
+    samples = results[0]
+    best = {name: statistics.median(s) for name, s in samples.items()}
+    fastest = {name: min(s) for name, s in samples.items()}
     case = f"DDP gloo CPU step, {RANKS} ranks x {batch}x3x32x32, 3 BN"
     report.row(case, "SyncBatchNorm (pc-sync)", best["pc"])
     report.row(case, "naive all_reduce SyncBN", best["naive"])
@@ -143,12 +153,19 @@ def main() -> None:
         if ratio <= 1.3
         else (
             "the synchronized step adds one all_gather per layer in forward and one all_reduce per layer in "
-            "backward, each a blocking gloo round trip between the ranks, to a step whose compute is small"
+            "backward, each a blocking gloo round trip between the ranks and a point where both ranks must "
+            f"be running at once: at a load average of {max(load_before, load_after):.1f} on "
+            f"{os.cpu_count()} CPUs a rank waits for its peer to be scheduled again (the rounds' minima: "
+            f"{fastest['pc'] / fastest['plain']:.3f}x)"
         ),
     )
     report.note(
-        "process-group SyncBatchNorm rows: wall time per step on rank 0 (min of interleaved rounds), one "
-        "intra-op thread per rank; torch.nn.SyncBatchNorm refuses CPU tensors, so it has no CPU row"
+        f"process-group SyncBatchNorm rows: wall time per step on rank 0, median of {repeat} interleaved "
+        f"rounds of 2 steps after 3 warm-up steps, one intra-op thread per rank, {os.cpu_count()} CPUs, load "
+        f"average {load_before:.1f} before and {load_after:.1f} after the run; the same rounds' minima give "
+        f"SyncBatchNorm / plain BN {fastest['pc'] / fastest['plain']:.3f}x and naive / plain BN "
+        f"{fastest['naive'] / fastest['plain']:.3f}x; torch.nn.SyncBatchNorm refuses CPU tensors, so it has "
+        "no CPU row"
     )
     report.finish(args)
 

@@ -103,7 +103,7 @@ def compare_layer(
         model = ReplicationCallbackDataParallel(ours, device_ids=["cpu"] * replicas)
     lo, hi = _bounds(sizes, rank)
     worst: dict[str, float] = {}
-    collectives: list[dict[str, int]] = []
+    collectives: list[dict[str, dict[str, int]]] = []
 
     def note(key: str, value: float) -> None:
         worst[key] = max(worst.get(key, 0.0), value)
@@ -127,10 +127,11 @@ def compare_layer(
         x_ref = x.clone().requires_grad_(True)
         x_ours = x[lo:hi].clone().requires_grad_(True)
         y_ref = ref(x_ref)
-        with count_collectives() as counts:
+        with count_collectives() as forward_counts:
             y_ours = model(x_ours)
+        with count_collectives() as backward_counts:
             (y_ours * g[lo:hi]).sum().backward()
-        collectives.append(dict(counts))
+        collectives.append({"forward": dict(forward_counts), "backward": dict(backward_counts)})
         (y_ref * g).sum().backward()
         note("output", _max_diff(y_ours, y_ref[lo:hi]))
         note("input_grad", _max_diff(x_ours.grad, x_ref.grad[lo:hi] if x_ref.grad is not None else None))
@@ -171,6 +172,7 @@ def grid_world(rank: int) -> dict[str, Any]:
     out["even"] = compare_layer(rank, [2, 2, 2, 2], (8, 3, 3, 3), seed=7)
     out["replicas"] = compare_layer(rank, [4, 6, 5, 3], (18, 3, 2, 3), seed=8, replicas=2)
     out["bfloat16"] = _bfloat16(rank, sizes)
+    out["parameter_grads_only"] = _parameter_grads_only(rank, sizes)
     out["one_member"] = _one_member_group(rank)
     out["mixed_recording"] = _mixed_recording(rank)
     out["crossed_backward"] = _crossed_backward(rank)
@@ -208,6 +210,39 @@ def _bfloat16(rank: int, sizes: list[int]) -> dict[str, float]:
         "running_mean": _max_diff(ours.running_mean, ref.running_mean),
         "running_var": _max_diff(ours.running_var, ref.running_var) / float(ref.running_var.abs().max()),  # type: ignore[union-attr]
         "output": _max_diff(y, y_ref[lo:hi]),
+    }
+
+
+def _parameter_grads_only(rank: int, sizes: list[int]) -> dict[str, Any]:
+    """An input that does not require grad and a weight without a bias: the weight's gradient alone."""
+    gen = torch.Generator().manual_seed(13)
+    n = sum(sizes)
+    ours = pc_sync.SyncBatchNorm(3, dtype=torch.float64, bias=False)
+    ref = nn.BatchNorm2d(3, dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(torch.rand(3, generator=gen, dtype=torch.float64) + 0.5)
+        ref.bias.zero_()
+        ours.weight.copy_(ref.weight)  # type: ignore[union-attr]
+    ref.bias.requires_grad_(False)
+    x = torch.randn(n, 3, 2, 2, generator=gen, dtype=torch.float64) * 3 + 5
+    g = torch.randn(n, 3, 2, 2, generator=gen, dtype=torch.float64)
+    lo, hi = _bounds(sizes, rank)
+    with count_collectives() as counts:
+        y = ours(x[lo:hi])
+        (y * g[lo:hi]).sum().backward()
+    y_ref = ref(x)
+    (y_ref * g).sum().backward()
+    grad = ours.weight.grad.clone()  # type: ignore[union-attr]
+    dist.all_reduce(grad)
+    return {
+        "bias_is_none": ours.bias is None,
+        "collectives": dict(counts),
+        "diff": {
+            "output": _max_diff(y, y_ref[lo:hi]),
+            "weight_grad": _max_diff(grad, ref.weight.grad),
+            "running_mean": _max_diff(ours.running_mean, ref.running_mean),
+            "running_var": _max_diff(ours.running_var, ref.running_var),
+        },
     }
 
 

@@ -80,7 +80,7 @@ def test_fused_affine_is_a_per_channel_multiply_add(dtype: torch.dtype, channels
         t = t.contiguous(memory_format=torch.channels_last)
     factor = torch.randn(5, generator=gen, dtype=torch.float64).to(dtype)
     offset = torch.randn(5, generator=gen, dtype=torch.float64).to(dtype)
-    got = _autograd._affine(t, factor, offset)
+    got = _autograd.channel_affine(t, factor, offset)
     ref = t.double() * factor.double().view(1, 5, 1, 1) + offset.double().view(1, 5, 1, 1)
     tol = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype]
     assert got.dtype == dtype

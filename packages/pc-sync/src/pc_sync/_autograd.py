@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["local_stats", "normalize"]
+__all__ = ["channel_affine", "local_stats", "normalize"]
 
 
 def _reduce_dims(x: torch.Tensor) -> list[int]:
@@ -46,7 +46,7 @@ def _channel_shape(x: torch.Tensor) -> list[int]:
     return [1, x.size(1)] + [1] * (x.dim() - 2)
 
 
-def _affine(t: torch.Tensor, factor: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def channel_affine(t: torch.Tensor, factor: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """``t * factor + offset`` per channel, in one fused pass (a new tensor).
 
     This is torch's eval-mode batch norm with mean 0 and ``var + eps == 1`` exactly, so its scale
@@ -103,7 +103,7 @@ class _LocalStats(torch.autograd.Function):
             return None, None
         factor = 2 * g_m2 if g_m2 is not None else centered.new_zeros(centered.size(1))
         offset = g_mean / ctx.count if g_mean is not None else centered.new_zeros(centered.size(1))
-        dx = _affine(centered, factor.to(centered.dtype), offset.to(centered.dtype))
+        dx = channel_affine(centered, factor.to(centered.dtype), offset.to(centered.dtype))
         if pending is not None:
             grad, scale = pending
             dx.addcmul_(grad, scale.reshape(shape))
@@ -124,7 +124,7 @@ class _Normalize(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(centered, scale)
         ctx.handoff = handoff
-        return _affine(centered, scale.to(centered.dtype), shift.to(centered.dtype))
+        return channel_affine(centered, scale.to(centered.dtype), shift.to(centered.dtype))
 
     @staticmethod
     @once_differentiable

@@ -4,7 +4,12 @@ One collective in forward, one in backward, public ``torch.distributed`` calls o
 NCCL on CUDA tensors, any backend with ``all_gather`` and ``all_reduce``)::
 
     forward:  (n_p, mean_p, M2_p) ──all_gather──► every rank: Chan combine in rank order ──► (mean, M2, N)
-    backward: (dL_p/dmean, dL_p/dM2) ──all_reduce(SUM)──► (dL/dmean, dL/dM2) ──► this rank's (mean_p, M2_p)
+    backward: (dL_p/dmean, dL_p/dM2) ──sum over the ranks──► (dL/dmean, dL/dM2) ──► this rank's (mean_p, M2_p)
+
+The backward sum is an ``all_gather`` summed in rank order for CPU tensors and an ``all_reduce`` for others:
+gloo's ring ``all_gather`` of a small packet takes one round between the ranks where its ``all_reduce`` takes
+two, and each round costs the ranks' threads CPU that a machine with few cores has to take from the compute;
+NCCL's ``all_reduce`` is one kernel.
 
 Forward gathers each rank's count, mean and sum of squared deviations (M2) rather than summing sums and sums
 of squares: Chan's combination keeps the precision of data far from zero, and every rank combines the same
@@ -32,7 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_size", "reduce_across_processes"]
+__all__ = [
+    "exchange_gradients",
+    "exchange_statistics",
+    "group_size",
+    "next_ordinal",
+    "reduce_across_processes",
+]
 
 _WIRE = torch.float64
 _HEADER = 2  # count, records-backward flag
@@ -80,12 +91,12 @@ def _lost_peer(phase: str, group: Any, exc: BaseException) -> Exception:
     return ConnectionError(message)
 
 
-def _all_gather(local: torch.Tensor, size: int, group: Any) -> torch.Tensor:
+def _all_gather(local: torch.Tensor, size: int, group: Any, phase: str = "forward") -> torch.Tensor:
     table = [torch.empty_like(local) for _ in range(size)]
     try:
         dist.all_gather(table, local, group=group)
     except RuntimeError as exc:
-        raise _lost_peer("forward", group, exc) from exc
+        raise _lost_peer(phase, group, exc) from exc
     return torch.stack(table)
 
 
@@ -97,7 +108,7 @@ def _all_reduce(packet: torch.Tensor, group: Any) -> None:
 
 
 def _check_same_call(summed: float, ordinal: int, group: Any) -> None:
-    """Raise if a backward all_reduce summed different layer calls' gradients across the ranks."""
+    """Raise if a backward exchange summed different layer calls' gradients across the ranks."""
     expected = float(ordinal) * dist.get_world_size(group)
     if summed != expected:
         raise RuntimeError(
@@ -112,6 +123,33 @@ def _check_pending(group: Any) -> None:
     """The checks that backward left for later on devices where reading the result would wait for it."""
     for summed, ordinal in _unchecked.pop(id(group), []):
         _check_same_call(float(summed), ordinal, group)
+
+
+def exchange_gradients(parts: list[torch.Tensor], ordinal: int, group: Any) -> torch.Tensor:
+    """The sum over ``group`` of the concatenated per-channel gradient ``parts``: one collective.
+
+    On CPU an ``all_gather`` summed in rank order (one gloo round; every rank gets bitwise the same sum),
+    elsewhere an ``all_reduce``.
+
+    The packet carries ``ordinal`` (the layer call's place among the group's recording calls) after the
+    parts; the sum of the ordinals proves that every rank sent the same layer call's gradients (checked at
+    once on CPU, at the group's next forward exchange on accelerators).
+
+    Returns:
+        The summed parts, concatenated, float64 (the wire dtype).
+    """
+    device = parts[0].device
+    tag = torch.full((1,), float(ordinal), dtype=_WIRE, device=device)
+    packet = torch.cat([*(p.reshape(-1).to(_WIRE) for p in parts), tag])
+    if device.type == "cpu":
+        packet = _all_gather(packet, group_size(group), group, "backward").sum(0)
+    else:
+        _all_reduce(packet, group)
+    if device.type == "cpu":
+        _check_same_call(float(packet[-1]), ordinal, group)
+    else:  # read at the next forward exchange, which reads the gathered counts anyway: no extra sync here
+        _unchecked.setdefault(id(group), []).append((packet[-1:], ordinal))
+    return packet[:-1]
 
 
 class _AcrossProcesses(torch.autograd.Function):
@@ -144,16 +182,61 @@ class _AcrossProcesses(torch.autograd.Function):
     def backward(ctx: Any, g_mean: torch.Tensor, g_m2: torch.Tensor) -> tuple[Any, ...]:
         (diff,) = ctx.saved_tensors
         channels = g_mean.numel()
-        ordinal = torch.full((1,), float(ctx.ordinal), dtype=_WIRE, device=g_mean.device)
-        packet = torch.cat([g_mean.reshape(-1).to(_WIRE), g_m2.reshape(-1).to(_WIRE), ordinal])
-        _all_reduce(packet, ctx.group)
-        if packet.device.type == "cpu":
-            _check_same_call(float(packet[-1]), ctx.ordinal, ctx.group)
-        else:  # read at the next forward exchange, which reads the gathered counts anyway: no extra sync here
-            _unchecked.setdefault(id(ctx.group), []).append((packet[-1:], ctx.ordinal))
-        total_mean, total_m2 = packet[:channels], packet[channels : 2 * channels]
+        summed = exchange_gradients([g_mean, g_m2], ctx.ordinal, ctx.group)
+        total_mean, total_m2 = summed[:channels], summed[channels:]
         grad_mean_p = (ctx.count_p / ctx.total) * total_mean + (2 * ctx.count_p) * total_m2 * diff
         return grad_mean_p.to(g_mean.dtype), total_m2.to(g_m2.dtype), None, None, None, None, None, None
+
+
+def exchange_statistics(
+    mean_p: torch.Tensor, m2_p: torch.Tensor, count_p: int, records: bool, group: Any
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The whole batch's ``(mean, M2, N)`` from this process's ``(mean, M2, count)``: one ``all_gather``.
+
+    Collective: every member of ``group`` must call it for the same layer, also with ``count_p == 0``.
+    ``records`` says whether this rank will make the backward exchange of this call; every rank must agree.
+
+    Returns:
+        ``(mean, M2, N)``: two ``(C,)`` float64 tensors (the wire dtype) and the total count.
+
+    Raises:
+        ValueError: If the ranks disagree on ``records`` (the backward collective would hang), or the whole
+            batch has no values.
+        ConnectionError: If a peer failed or left during the exchange.
+        TimeoutError: If a peer did not reach the exchange within the group's timeout.
+    """
+    size = group_size(group)
+    channels = mean_p.numel()
+    header = torch.tensor([float(count_p), float(records)], dtype=_WIRE, device=mean_p.device)
+    local = torch.cat([header, mean_p.reshape(-1).to(_WIRE), m2_p.reshape(-1).to(_WIRE)])
+    table = _all_gather(local, size, group)
+    head = table[:, :_HEADER].cpu().tolist()
+    _check_pending(group)
+    counts = [int(c) for c, _ in head]
+    flags = [bool(f) for _, f in head]
+    total = sum(counts)
+    if len(set(flags)) > 1:
+        without = [r for r, f in enumerate(flags) if not f]
+        raise ValueError(
+            f"SyncBatchNorm: ranks {without} of the process group run this layer without autograd recording "
+            "(no_grad, or an input that does not require grad) while the others record it; the backward "
+            "exchange would wait forever. Run the same mode on every rank"
+        )
+    if total == 0:
+        raise ValueError("SyncBatchNorm: the batch is empty on every rank of the process group")
+    weights = table[:, 0:1] / total
+    means = table[:, _HEADER : _HEADER + channels]
+    mean = (weights * means).sum(0)
+    m2 = table[:, _HEADER + channels :].sum(0) + (table[:, 0:1] * (means - mean).square()).sum(0)
+    return mean, m2, total
+
+
+def next_ordinal(group: Any) -> int:
+    """The number of this recording layer call among ``group``'s, the same on every rank (see the module)."""
+    key = id(group)
+    ordinal = _recorded_calls.get(key, 0)
+    _recorded_calls[key] = (ordinal + 1) % _ORDINAL_WRAP
+    return ordinal
 
 
 def reduce_across_processes(
@@ -179,39 +262,11 @@ def reduce_across_processes(
         ConnectionError: If a peer failed or left during the exchange.
         TimeoutError: If a peer did not reach the exchange within the group's timeout.
     """
-    size = group_size(group)
-    channels = mean_p.numel()
     records = torch.is_grad_enabled() and (mean_p.requires_grad or m2_p.requires_grad)
-    local = torch.empty(_HEADER + 2 * channels, dtype=_WIRE, device=mean_p.device)
-    local[0] = float(count_p)
-    local[1] = float(records)
-    local[_HEADER : _HEADER + channels] = mean_p.detach().reshape(-1)
-    local[_HEADER + channels :] = m2_p.detach().reshape(-1)
-    table = _all_gather(local, size, group)
-    header = table[:, :_HEADER].cpu()
-    _check_pending(group)
-    counts = [int(c) for c in header[:, 0].tolist()]
-    flags = [bool(f) for f in header[:, 1].tolist()]
-    total = sum(counts)
-    if len(set(flags)) > 1:
-        without = [r for r, f in enumerate(flags) if not f]
-        raise ValueError(
-            f"SyncBatchNorm: ranks {without} of the process group run this layer without autograd recording "
-            "(no_grad, or an input that does not require grad) while the others record it; the backward "
-            "all_reduce would wait forever. Run the same mode on every rank"
-        )
-    if total == 0:
-        raise ValueError("SyncBatchNorm: the batch is empty on every rank of the process group")
-    weights = table[:, 0:1] / total
-    means = table[:, _HEADER : _HEADER + channels]
-    mean = (weights * means).sum(0)
-    m2 = table[:, _HEADER + channels :].sum(0) + (table[:, 0:1] * (means - mean).square()).sum(0)
+    mean, m2, total = exchange_statistics(mean_p.detach(), m2_p.detach(), count_p, records, group)
     if not records:
         return mean.to(mean_p.dtype), m2.to(m2_p.dtype), total
-    key = id(group)
-    ordinal = _recorded_calls.get(key, 0)
-    _recorded_calls[key] = (ordinal + 1) % _ORDINAL_WRAP
     out_mean, out_m2 = _AcrossProcesses.apply(  # type: ignore[no-untyped-call]
-        mean_p, m2_p, mean, m2, count_p, total, group, ordinal
+        mean_p, m2_p, mean, m2, count_p, total, group, next_ordinal(group)
     )
     return out_mean, out_m2, total

@@ -8,8 +8,9 @@ Two levels, one collective per layer call::
 
 Inside a process the replicas exchange autograd-tracked tensors through a :class:`~pc_sync.SyncMaster`, as
 :class:`~pc_sync.SynchronizedBatchNorm2d` does; across processes forward makes one ``all_gather`` and backward
-one ``all_reduce`` (see ``pc_sync._process_stats``). Without replicas the first level is skipped; with a
-one-process group (or no initialized ``torch.distributed``) the second one is.
+one exchange (see ``pc_sync._process_stats``). Without replicas the first level is skipped and the layer
+is a single autograd node (``pc_sync._process_batchnorm``); with a one-process group (or no initialized
+``torch.distributed``) the second level is skipped.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 from torch import nn
 
 from pc_sync._checks import positive_int
-from pc_sync._process_stats import group_size, reduce_across_processes
-from pc_sync.batchnorm import _local_stats, _SyncBNMixin, take_over_state
+from pc_sync._process_batchnorm import batch_norm_across, local_moments
+from pc_sync._process_stats import exchange_statistics, group_size, next_ordinal, reduce_across_processes
+from pc_sync.batchnorm import _LOW_PRECISION, _local_stats, _SyncBNMixin, take_over_state
 from pc_sync.errors import DEFAULT_SYNC_TIMEOUT
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
@@ -145,8 +147,11 @@ class SyncBatchNorm(_SyncBNMixin, _BatchNormBase):
         master = self._sync_master
         pipe = self._slave_pipe
         replicas = master is not None and (pipe is not None or master.nr_slaves > 0)
-        if not replicas and group_size(self.process_group) == 1:
-            return _BatchNormBase.forward(self, input)
+        if not replicas:
+            if group_size(self.process_group) == 1:
+                return _BatchNormBase.forward(self, input)
+            with torch.autocast(input.device.type, enabled=False):
+                return self._across_processes(input)
         with torch.autocast(input.device.type, enabled=False):
             msg, xs, centered, handoff = _local_stats(input)
             if master is not None and pipe is not None:
@@ -156,6 +161,35 @@ class SyncBatchNorm(_SyncBNMixin, _BatchNormBase):
             else:
                 reply = self._data_parallel_master([(0, msg)])[0][1]
             return self._normalize(xs, centered, msg.mean, reply, handoff).to(input.dtype)
+
+    def _across_processes(self, input: torch.Tensor) -> torch.Tensor:
+        """The training forward of a process without replicas: one exchange, one autograd node."""
+        xs = input.float() if input.dtype in _LOW_PRECISION else input
+        group = self.process_group
+        records = torch.is_grad_enabled() and xs.requires_grad
+        mean_p, m2_p, centered, count = local_moments(xs)
+        mean, m2, total = exchange_statistics(mean_p, m2_p, count, records, group)
+        if total <= 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got {total} value(s) per channel "
+                f"across 1 replica(s){self._scope()}"
+            )
+        var = m2 / total
+        self._update_running_stats(mean, m2 / (total - 1))
+        shift = (mean - mean_p.to(mean.dtype)).to(xs.dtype)
+        out = batch_norm_across(
+            xs,
+            cast("torch.Tensor | None", self.weight),
+            cast("torch.Tensor | None", self.bias),
+            centered,
+            shift,
+            var.to(xs.dtype),
+            self.eps,
+            total,
+            group,
+            next_ordinal(group) if records else None,
+        )
+        return out.to(input.dtype)
 
     def _global_stats(
         self, mean: torch.Tensor, m2: torch.Tensor, total: int
