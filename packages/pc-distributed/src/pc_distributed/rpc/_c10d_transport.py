@@ -180,7 +180,7 @@ class C10dTransport:
         ValueError: If ``group`` is not gloo, ``rank`` is not this process's rank in it, or ``names`` does not
             name each member once.
 
-    Example:
+    Examples:
         >>> t = C10dTransport(group, dist.get_rank(group), ["a", "b"], default_handler, group_timeout=30)
         >>> t.call_sync(1, lambda x: x + 1, (41,))  # doctest: +SKIP
         42
