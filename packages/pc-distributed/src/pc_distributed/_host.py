@@ -55,6 +55,10 @@ class GroupHost(Protocol):
     @property
     def waits(self) -> Waiter: ...
     @property
+    def rpc_backend(self) -> Any:
+        """The World's RPC backend (``rpc._backend.RpcBackend``; None without RPC): what calls travel on."""
+
+    @property
     def rpc_tables(self) -> Any:
         """The World's ``ProcessTables`` (``rpc._remote``): its RPC groups' values and services."""
 

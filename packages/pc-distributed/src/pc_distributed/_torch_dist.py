@@ -1,5 +1,7 @@
 """The thin layer over torch.distributed and torch.distributed.rpc that World uses to start and stop.
 
+RPC's start and shutdown here are the TensorPipe backend's (``rpc._tensorpipe``), which the World starts.
+
 Every torch call that sets up or tears down global state lives here, so a change in torch touches one file.
 Public torch APIs only, with one exception named in :func:`rpc_options` (TensorPipe's transports).
 """
@@ -309,7 +311,7 @@ def shutdown_rpc(graceful: bool, timeout: float) -> None:
             warnings.warn(
                 f"graceful RPC shutdown failed ({type(exc).__name__}: {exc}); shutting down non-gracefully",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,  # World.stop's caller (through the backend's shutdown)
             )
     try:
         rpc.shutdown(graceful=False)

@@ -1,5 +1,7 @@
 """How an RPC group's call reaches its target: the send with mapped transport errors, and a service call.
 
+A call is sent through the World's RPC backend (:mod:`~._backend`), never to a transport directly.
+
 A :class:`ServiceCall` is one call of a registered service. Without a given owner it asks the cached owner
 first; if that answers "missing" (a stale cache entry) it looks the owner up again and tries once more. With a
 given owner it goes straight there and never asks the directory. The blocking form waits in the caller's
@@ -11,14 +13,14 @@ caller sees what an RPC would have delivered.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
 
 import torch
-import torch.distributed.rpc as rpc
 
 from pc_distributed._host import GroupHost
 from pc_distributed._transport import transport_error, with_cause
+from pc_distributed.rpc._backend import RpcBackend
 from pc_distributed.rpc._directory import Directory
 from pc_distributed.rpc._remote import (
     OK,
@@ -31,7 +33,10 @@ from pc_distributed.rpc._remote import (
 )
 from pc_distributed.rpc.remote_ref import RemoteRef
 
-__all__ = ["ServiceCall", "invoke", "pickling_error"]
+__all__ = ["Send", "ServiceCall", "invoke", "pickling_error"]
+
+# How a call is sent: the names are those of torch's functions, which errors have always named.
+Send = Literal["rpc_sync", "rpc_async", "remote"]
 
 # What the elements of a service call's payload are, to name an unpicklable one.
 _SERVICE_PARTS = ("group", "key", "args", "kwargs")
@@ -39,20 +44,21 @@ _SERVICE_PARTS = ("group", "key", "args", "kwargs")
 
 def invoke(
     host: GroupHost,
-    method: Callable[..., Any],
+    send: Send,
     to: str,
     func: Any,
     args: tuple[Any, ...],
     timeout: float,
     parts: Sequence[str] = (),
 ) -> Any:
-    """Send one torch RPC (``rpc_sync``, ``rpc_async`` or ``remote``) to ``to`` with ``timeout`` seconds.
+    """Send one call to ``to`` with ``timeout`` seconds through the World's RPC backend.
 
     Args:
         host: The World.
-        method: Torch's ``rpc_sync``, ``rpc_async`` or ``remote``.
+        send: ``"rpc_sync"`` (the value), ``"rpc_async"`` (a future of it) or ``"remote"`` (a
+            :class:`~._backend.RemoteValue`).
         to: The target member.
-        func: The function torch runs there.
+        func: The function the backend runs there.
         args: Its arguments (the call's payload).
         timeout: Seconds.
         parts: What each element of ``args`` is (``"func"``, ``"args"``, ...), to name an unpicklable one.
@@ -61,18 +67,19 @@ def invoke(
         RuntimeError: If the World has no RPC.
         TypeError: If an element of ``args`` cannot be pickled; the message names it (``args[1]``) and
             pickle's error is the ``__cause__``.
-        TimeoutError: If torch reports a timeout.
-        ConnectionError: If torch reports a lost or refused connection.
+        TimeoutError: If the backend reports a timeout.
+        ConnectionError: If the backend reports a lost or refused connection.
     """
-    if not host.init_rpc:
+    backend: RpcBackend | None = host.rpc_backend if host.init_rpc else None
+    if backend is None:
         raise RuntimeError("RPC calls need a World created with init_rpc=True")
-    what = getattr(method, "__name__", "rpc")
+    method = {"rpc_sync": backend.call_sync, "rpc_async": backend.call, "remote": backend.remote}[send]
     try:
-        return method(to, func, args=args, timeout=timeout)
+        return method(to, func, args, None, timeout)
     except (RuntimeError, OSError) as exc:
-        raise transport_error(exc, to, what) from exc
+        raise transport_error(exc, to, send) from exc
     except (AttributeError, TypeError, pickle.PicklingError) as exc:  # pickling the payload failed
-        raise pickling_error(exc, f"{what} to {to!r}", args, parts) from exc
+        raise pickling_error(exc, f"{send} to {to!r}", args, parts) from exc
 
 
 def pickling_error(
@@ -168,8 +175,8 @@ class ServiceCall:
         # a given owner is asked once: there is no directory to correct it
         return (False,) if self._owner is not None else (False, True)
 
-    def _send(self, method: Callable[..., Any], owner: str) -> Any:
-        return invoke(self._host, method, owner, call_service, self._payload, self._timeout, _SERVICE_PARTS)
+    def _send(self, send: Send, owner: str) -> Any:
+        return invoke(self._host, send, owner, call_service, self._payload, self._timeout, _SERVICE_PARTS)
 
     def _run_here(self) -> Any:
         """Run the service in this process on copies of the arguments; return a copy of its result."""
@@ -200,7 +207,7 @@ class ServiceCall:
             if owner is None:
                 break
             here = owner == self._host.name  # no RPC to itself
-            envelope = self._run_here() if here else self._send(rpc.rpc_sync, owner)
+            envelope = self._run_here() if here else self._send("rpc_sync", owner)
             try:
                 return unwrap(envelope, f"process {owner!r}")
             except MissingOnOwner:
@@ -240,7 +247,7 @@ class ServiceCall:
                 except Exception as exc:
                     out.set_exception(exc)
 
-            self._send(rpc.rpc_async, owner).add_done_callback(done)
+            self._send("rpc_async", owner).add_done_callback(done)
 
         attempt(0)
         return out
@@ -254,4 +261,4 @@ class ServiceCall:
         owner = self._owner_of(True)
         if owner is None:
             raise self.not_found()
-        return RemoteRef(self._send(rpc.remote, owner), owner, self.not_found)
+        return RemoteRef(self._send("remote", owner), owner, self.not_found)

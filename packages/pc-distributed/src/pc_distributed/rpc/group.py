@@ -18,13 +18,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed.rpc as rpc
 
 from pc_distributed._host import GroupHost, current_world
 from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._store import store_barrier
 from pc_distributed._transport import chain_future, check_call_args, resolve_timeout
-from pc_distributed.rpc._calls import ServiceCall, invoke
+from pc_distributed.rpc._calls import Send, ServiceCall, invoke
 from pc_distributed.rpc._directory import Directory
 from pc_distributed.rpc._join import check_group_args, join_group
 from pc_distributed.rpc._remote import SERVICE, VALUE, GroupTables, call_func, paired_value, unwrap
@@ -112,12 +111,10 @@ class RpcGroup:
             )
         return to
 
-    def _invoke(
-        self, method: Callable[..., Any], to: str, func: Any, args: tuple[Any, ...], timeout: float
-    ) -> Any:
+    def _invoke(self, send: Send, to: str, func: Any, args: tuple[Any, ...], timeout: float) -> Any:
         if self.destroyed:
             raise RuntimeError(f"RpcGroup {self.group_name!r} has been destroyed")
-        return invoke(self._world(), method, to, func, args, timeout, _PAYLOAD_PARTS.get(len(args), ()))
+        return invoke(self._world(), send, to, func, args, timeout, _PAYLOAD_PARTS.get(len(args), ()))
 
     def _service_call(
         self,
@@ -176,7 +173,7 @@ class RpcGroup:
         if owner is None:
             raise self._value_not_found(key)
         payload = (self.group_name, ktext)
-        rref = self._invoke(rpc.remote, owner, paired_value, payload, self._seconds(None))
+        rref = self._invoke("remote", owner, paired_value, payload, self._seconds(None))
         return RemoteRef(rref, owner, lambda: self._value_not_found(key))
 
     # -- services ---
@@ -308,7 +305,7 @@ class RpcGroup:
         to = self._check_target(to)
         call_args, call_kwargs = check_call_args(args, kwargs)
         payload = (func, call_args, call_kwargs)
-        envelope = self._invoke(rpc.rpc_sync, to, call_func, payload, self._seconds(timeout))
+        envelope = self._invoke("rpc_sync", to, call_func, payload, self._seconds(timeout))
         return unwrap(envelope, f"process {to!r}")
 
     def rpc_async(
@@ -323,7 +320,7 @@ class RpcGroup:
         to = self._check_target(to)
         call_args, call_kwargs = check_call_args(args, kwargs)
         payload = (func, call_args, call_kwargs)
-        raw = self._invoke(rpc.rpc_async, to, call_func, payload, self._seconds(timeout))
+        raw = self._invoke("rpc_async", to, call_func, payload, self._seconds(timeout))
         return chain_future(raw, to, lambda envelope: unwrap(envelope, f"process {to!r}"))
 
     def remote(
@@ -338,7 +335,7 @@ class RpcGroup:
         to = self._check_target(to)
         call_args, call_kwargs = check_call_args(args, kwargs)
         payload = (func, call_args, call_kwargs)
-        rref = self._invoke(rpc.remote, to, call_func, payload, self._seconds(timeout))
+        rref = self._invoke("remote", to, call_func, payload, self._seconds(timeout))
         return RemoteRef(rref, to, lambda: KeyError(f"result not found on {to!r}"))
 
     # -- membership ---

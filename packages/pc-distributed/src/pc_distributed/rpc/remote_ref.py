@@ -1,6 +1,7 @@
-"""RemoteRef: an RRef to a value on another member whose ``to_here()`` unwraps remote errors.
+"""RemoteRef: a reference to a value on another member whose ``to_here()`` unwraps remote errors.
 
-The RRef returned by torch holds an envelope (see ``_remote``); :meth:`RemoteRef.to_here` fetches it and
+The backend's remote value (``_backend.RemoteValue``; torch's RRef on TensorPipe) holds an envelope (see
+``_remote``); :meth:`RemoteRef.to_here` fetches it and
 returns the value, or raises the remote exception with its original type and the remote traceback as
 ``__cause__``.
 """
@@ -21,7 +22,7 @@ class RemoteRef:
     """A reference to a value owned by a member (from ``remote``, ``registered_remote``, ``get_paired``).
 
     Args:
-        rref: The torch ``RRef`` to an envelope.
+        rref: The backend's remote value (torch's ``RRef`` on TensorPipe) holding an envelope.
         owner_name: Name of the owning member.
         on_missing: Raised (as an exception factory) when the owner no longer holds the key.
     """
@@ -55,7 +56,7 @@ class RemoteRef:
             raise self._on_missing() from None
 
     def owner(self) -> Any:
-        """The ``WorkerInfo`` of the owner."""
+        """The backend's description of the owner (the ``WorkerInfo`` on TensorPipe)."""
         return self.rref.owner()
 
     def owner_name(self) -> str:

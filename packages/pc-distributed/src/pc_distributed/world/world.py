@@ -10,7 +10,8 @@ so the World keeps three kinds of connection to it: ``store`` for short requests
 arrivals), ``waits`` (one connection per blocking wait, see ``_store_waits``) and one of the process group's
 own; no thread's wait ever stalls another thread's request.
 
-The World owns what lives as long as it does: its RPC groups, their tables of paired values and services
+The World owns what lives as long as it does: its RPC backend (``rpc_backend``, the transport its RPC
+groups' calls travel on: ``rpc._tensorpipe``), its RPC groups, their tables of paired values and services
 (:attr:`World.rpc_tables`, what incoming calls run on) and its collective groups. It hands itself to the
 groups at creation (they see it through the ``GroupHost`` protocol of ``_host`` and never import this
 module). Timeouts follow the package's convention (``_transport``): ``None`` is the World's default, ``-1``
@@ -35,7 +36,9 @@ from pc_distributed._store import store_barrier
 from pc_distributed._store_waits import WaitStores
 from pc_distributed._transport import resolve_timeout
 from pc_distributed.collective.group import CollectiveGroup, create_collective_group
+from pc_distributed.rpc._backend import RpcBackend
 from pc_distributed.rpc._remote import ProcessTables
+from pc_distributed.rpc._tensorpipe import TensorPipeBackend
 from pc_distributed.rpc.group import RpcGroup, create_rpc_group
 from pc_distributed.world._env import check_name, resolve_world_spec
 from pc_distributed.world._interfaces import InterfaceEnv, check_interface
@@ -124,6 +127,8 @@ class World:
         self.init_dist = bool(init_dist)
         self.init_rpc = bool(init_rpc)
         self.rpc_busy_poll = bool(rpc_busy_poll)
+        # The transport of the RPC groups' calls (GroupHost.rpc_backend); set by _start when init_rpc.
+        self.rpc_backend: RpcBackend | None = None
         self._rpc_groups: dict[str, RpcGroup] = {}
         self._rpc_tables = ProcessTables()
         self._rpc_instances: dict[str, int] = {}
@@ -154,7 +159,7 @@ class World:
                 )
                 undo.append(_torch_dist.destroy_pg)
             if self.init_rpc:
-                _torch_dist.start_rpc(
+                self.rpc_backend = TensorPipeBackend.start(
                     self.name,
                     self.rank,
                     self.world_size,
@@ -362,8 +367,8 @@ class World:
             groups = list(self._rpc_groups.values())
         try:
             graceful = self._leave_store(groups, timeout, graceful)
-            if self.init_rpc:
-                _torch_dist.shutdown_rpc(graceful, timeout)
+            if self.rpc_backend is not None:
+                self.rpc_backend.shutdown(graceful, timeout)
             if self.init_dist:
                 for cg in self._collective_groups:
                     cg._forget()

@@ -1,0 +1,97 @@
+"""The RPC layer's transport seam: what ``RpcGroup`` and ``RemoteRef`` need from an RPC backend.
+
+A World owns one backend, started with it and shut down by :meth:`World.stop`; the groups reach it through
+their World (``GroupHost.rpc_backend``) and never call a transport themselves. A backend carries calls
+between the World's members, addressed by member name:
+
+- **call** a module-level function on a member and get its return value back: blocking (:meth:`call_sync`),
+  as a future (:meth:`call`), or kept on the member behind a reference (:meth:`remote`);
+- **time out**: every call is bounded by its ``timeout``, then fails with ``TimeoutError`` naming the member;
+- **detect a dead member**: a call to a member that died or became unreachable fails within its timeout,
+  with ``ConnectionError`` or ``TimeoutError`` naming it;
+- **shut down** gracefully (outstanding work of the peers finishes first) or at once, always bounded.
+
+What a call runs on the member is the RPC layer's own (``_remote``): a target that never raises and returns an
+envelope, so the remote exception and its traceback travel as a value and the caller re-raises it with its
+original type. A backend only carries values. Transport failures may surface as the backend's own error
+types: ``TimeoutError``/``ConnectionError``, or torch's ``RuntimeError``/``OSError``, which the RPC layer
+maps with :func:`pc_distributed._transport.transport_error`; a payload that cannot be pickled raises
+(``TypeError``, ``AttributeError`` or ``pickle.PicklingError``) before anything is sent.
+
+Starting a backend is the World's, per backend (each needs different things: a rendezvous URL, a process
+group); a started backend is used only through this protocol. Implementations: ``_tensorpipe``
+(``torch.distributed.rpc`` over TensorPipe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["RemoteValue", "RpcBackend"]
+
+
+class RemoteValue(Protocol):
+    """A value kept by its owner, as :meth:`RpcBackend.remote` returns it (a torch ``RRef`` on TensorPipe)."""
+
+    def to_here(self, timeout: float = ...) -> Any:
+        """Fetch a copy of the value within ``timeout`` seconds (left out: the backend's default)."""
+
+    def is_owner(self) -> bool:
+        """Whether this process keeps the value."""
+
+    def owner(self) -> Any:
+        """The backend's description of the owner (TensorPipe: torch's ``WorkerInfo``)."""
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner has confirmed the reference (a backend that creates it synchronously: True)."""
+
+
+class RpcBackend(Protocol):
+    """The transport of a World's RPC groups: calls to members by name, with timeouts, and shutdown.
+
+    ``fn`` is called on member ``to`` as ``fn(*args, **kwargs)``; ``kwargs`` None means none. See the module
+    docstring for the errors.
+    """
+
+    @property
+    def name(self) -> str:
+        """The backend's name (``"tensorpipe"``)."""
+
+    def call_sync(
+        self,
+        to: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        timeout: float,
+    ) -> Any:
+        """Run ``fn`` on ``to`` and return its value, waiting at most ``timeout`` seconds."""
+
+    def call(
+        self,
+        to: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        timeout: float,
+    ) -> torch.futures.Future[Any]:
+        """Run ``fn`` on ``to``; a future of its value, completed within ``timeout`` seconds."""
+
+    def remote(
+        self,
+        to: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        timeout: float,
+    ) -> RemoteValue:
+        """Run ``fn`` on ``to``, which keeps the value; a reference to it, returned at once."""
+
+    def shutdown(self, graceful: bool, timeout: float) -> None:
+        """Stop within ``timeout`` seconds; ``graceful``: let the peers' outstanding work finish first.
+
+        A graceful shutdown that fails falls back to a non-graceful one (with a ``RuntimeWarning``).
+        """
