@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from distributed_testutils import fork_unless_cuda
 
 from pc_distributed.rpc._c10d_transport import C10dTransport
 
@@ -88,7 +87,9 @@ def run_ranks(
     A rank in ``may_die`` that dies gives :data:`DIED`; any other failure raises ``AssertionError`` with the
     rank's traceback. Every process is gone when this returns (killed after ``timeout``).
     """
-    ctx = mp.get_context(fork_unless_cuda())
+    # spawn, not fork: this process serves the store, and a child forked while the store's server thread runs
+    # can hang in torch's C++ before its rendezvous (seen in CI: a rank never joined init_process_group)
+    ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timedelta(seconds=60), wait_for_workers=False)
     procs, conns = [], []
     for rank in range(world_size):
