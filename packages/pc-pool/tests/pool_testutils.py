@@ -92,6 +92,10 @@ def sleep_long(*args: Any) -> None:
     time.sleep(30)  # killed by terminate() long before it returns
 
 
+def sleep_hour(*args: Any) -> None:
+    time.sleep(3600)  # outlasts any test: only terminate() (or the process's exit) ends it
+
+
 def in_worker() -> bool:
     return multiprocessing.parent_process() is not None
 

@@ -119,6 +119,81 @@ def test_pool_ctrl_c_terminates_workers_and_exits_once(tmp_path: pathlib.Path, m
         _cleanup(proc, pids)
 
 
+LATE_SIGNAL_SCRIPT = r"""
+import os, signal, sys, threading, time
+import pool_testutils as tu
+from pc_pool import Pool, SimpleP2PQueue, ThreadPool
+
+# The innermost Python frame of each wait once it blocks in C (Condition.wait, Thread.join, selectors).
+BLOCKING_FRAMES = {"wait", "join", "_wait_for_tstate_lock", "select"}
+
+
+def main_thread_blocked() -> bool:
+    main = threading.main_thread()
+    frame = sys._current_frames().get(main.ident)
+    if frame is None or frame.f_code.co_name not in BLOCKING_FRAMES:
+        return False
+    with open(f"/proc/self/task/{main.native_id}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "S"
+
+
+def interrupt_when_blocked() -> None:
+    # The Ctrl-C's handler runs in this thread once the main thread sleeps in the kernel: the lost wake-up
+    # of a Ctrl-C that lands just before the wait blocks, or in a thread that does not block SIGINT.
+    deadline = time.monotonic() + 60
+    while not main_thread_blocked():
+        if time.monotonic() > deadline:
+            os._exit(3)
+        time.sleep(0.002)
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    pool = ThreadPool(2) if mode == "thread-get" else Pool(2, share_method="cpu")
+    queue = SimpleP2PQueue()
+    wait = {
+        "get": lambda: pool.apply_async(tu.sleep_hour).get(3600),
+        "thread-get": lambda: pool.apply_async(tu.sleep_hour).get(3600),
+        "imap": lambda: next(pool.imap(tu.sleep_hour, range(2))),
+        "join": lambda: (pool.apply_async(tu.sleep_hour), pool.close(), pool.join()),
+        "queue-get": lambda: queue.get(),
+    }[mode]
+    threading.Thread(target=interrupt_when_blocked, daemon=True).start()
+    try:
+        wait()
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        raise
+"""
+
+
+@pytest.mark.parametrize("mode", ["get", "thread-get", "imap", "join", "queue-get"])
+def test_pool_main_thread_waits_see_a_ctrl_c_handled_elsewhere(tmp_path: pathlib.Path, mode: str) -> None:
+    # A kernel wait of the main thread is not woken by a Ctrl-C whose handler ran elsewhere: without the
+    # sliced waits of the main thread this script waits out its hour-long (or unbounded) wait.
+    script = tmp_path / "late_signal.py"
+    script.write_text(LATE_SIGNAL_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=_preexec,
+        env=env,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        pytest.fail(f"{mode}: the main thread's wait did not end within 60 s of the Ctrl-C")
+    assert proc.returncode != 3, f"{mode}: the main thread never blocked"
+    assert out.strip() == "interrupted", err
+    assert "KeyboardInterrupt" in err
+
+
 def test_pool_parent_sigkill_leaves_no_orphans(tmp_path: pathlib.Path) -> None:
     proc, pids, _ = _run(tmp_path, "parent-kill")
     try:

@@ -1,8 +1,8 @@
 """Constants and small helpers of the process pool engine (see the diagram in :mod:`pc_pool.pool`).
 
 The state the pool's threads share lives in :class:`pc_pool._state.EngineState`; this module holds what has
-no state: the window and grace constants, argument checks, the SIGINT mask of pool threads and the registry
-of live pools that interpreter exit terminates.
+no state: the window and grace constants, argument checks, the SIGINT mask of pool threads, the main thread's
+signal-aware waits and the registry of live pools that interpreter exit terminates.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ __all__ = [
     "KILL_GRACE",
     "MAX_WINDOW",
     "NO_CONTEXT",
+    "SIGNAL_SLICE",
     "TICK",
     "WINDOW",
     "PoolStates",
@@ -34,6 +35,7 @@ __all__ = [
     "register_pool",
     "start_with_sigint_blocked",
     "unregister_pool",
+    "wait_in_slices",
 ]
 
 _log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ MAX_WINDOW = 32
 KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL in terminate()
 CLOSE_GRACE = 5.0  # seconds a worker gets to exit after a drained close() before it is killed
 TICK = 5.0  # upper bound of any internal wait; predicates are re-checked, nothing relies on it
+SIGNAL_SLICE = 0.5  # longest wait of the main thread between two looks at pending signals (wait_in_slices)
 NO_CONTEXT = object()
 now = time.monotonic
 
@@ -97,6 +100,28 @@ def start_with_sigint_blocked(thread: threading.Thread) -> None:
         thread.start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def wait_in_slices(wait: Callable[[float], bool], timeout: float | None) -> bool:
+    """Call ``wait(seconds)`` until it returns true or ``timeout`` seconds pass (``None``: no limit).
+
+    Returns:
+        The last answer of ``wait``: true when the awaited condition holds, false when ``timeout`` ran out.
+
+    CPython runs signal handlers in the main thread only, between two bytecodes. A Ctrl-C whose handler runs
+    after the interpreter's last look at pending signals but before a lock, condition or ``select`` wait
+    enters the kernel (or whose handler runs in another thread) does not end that wait: the
+    ``KeyboardInterrupt`` would stay pending until the wait's own timeout, an hour or never. So the main
+    thread calls ``wait`` for at most :data:`SIGNAL_SLICE` seconds at a time, and a pending Ctrl-C is raised
+    between two slices; other threads never run handlers and wait up to :data:`TICK` at a time.
+    """
+    step = SIGNAL_SLICE if threading.current_thread() is threading.main_thread() else TICK
+    deadline = None if timeout is None else now() + timeout
+    while True:
+        if wait(step if deadline is None else max(0.0, min(step, deadline - now()))):
+            return True
+        if deadline is not None and now() >= deadline:
+            return False
 
 
 def register_pool(pool: Any) -> None:

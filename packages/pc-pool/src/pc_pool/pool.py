@@ -55,9 +55,9 @@ from pc_pool._engine import (
     TICK,
     PoolStates,
     check_pool_args,
-    now,
     register_pool,
     unregister_pool,
+    wait_in_slices,
 )
 from pc_pool._feeder import Feeder
 from pc_pool._records import Job, WorkerHandle
@@ -271,13 +271,14 @@ class BasePool(PoolFrontend):
         """
         if self._engine.state is PoolStates.RUN:
             raise ValueError("Pool is still running; call close() or terminate() before join()")
-        deadline = None if timeout is None else now() + timeout
+
+        def collector_exited(seconds: float) -> bool:
+            self._collector.join(seconds)
+            return not self._collector.is_alive()
+
         try:
-            while self._collector.is_alive():
-                left = TICK if deadline is None else min(TICK, deadline - now())
-                if left <= 0:
-                    raise TimeoutError(f"pool did not shut down within {timeout} s")
-                self._collector.join(left)
+            if not wait_in_slices(collector_exited, timeout):
+                raise TimeoutError(f"pool did not shut down within {timeout} s")
         except KeyboardInterrupt:
             self._handle_interrupt()
             raise

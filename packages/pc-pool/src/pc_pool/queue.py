@@ -33,6 +33,7 @@ from typing import Any
 
 from pc_pool import _serial
 from pc_pool._checks import positive_int
+from pc_pool._engine import wait_in_slices
 
 __all__ = ["MultiP2PQueue", "SimpleP2PQueue", "SimpleQueue"]
 
@@ -63,7 +64,14 @@ def _sentinels(watch: Iterable[Any]) -> dict[Any, Any]:
 def _wait_item(readers: list[Connection], deadline: float | None, timeout: float | None, watch: Any) -> Any:
     """Wait until one of ``readers`` is readable and return it (see the module's "Waits" list)."""
     watched = _sentinels(watch)
-    ready = wait([*readers, *watched], _remaining(deadline))
+    waitables = [*readers, *watched]
+    ready: list[Any] = []
+
+    def poll(seconds: float | None) -> bool:
+        ready[:] = wait(waitables, seconds)
+        return bool(ready)
+
+    wait_in_slices(poll, _remaining(deadline))
     for reader in readers:
         if reader in ready or (ready and reader.poll(0)):  # an item sent before a peer exited still comes
             return reader

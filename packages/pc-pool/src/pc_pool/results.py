@@ -31,6 +31,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from pc_pool._engine import wait_in_slices
+
 __all__ = ["AsyncResult", "IMapIterator", "IMapUnorderedIterator", "MapResult"]
 
 _log = logging.getLogger(__name__)
@@ -104,7 +106,7 @@ class AsyncResult:
         """
         owner = self._owner
         try:
-            self._event.wait(timeout)
+            wait_in_slices(self._event.wait, timeout)
         except KeyboardInterrupt:
             if owner is not None:
                 owner._handle_interrupt()
@@ -296,18 +298,22 @@ class IMapIterator:
             BaseException: The exception of the task that produced this element (or chunk).
         """
         owner = self._owner
+        try:
+            return self._next(timeout)
+        except KeyboardInterrupt:
+            # Outside the condition: terminating the pool fails this iterator too, under the same condition.
+            if owner is not None:
+                owner._handle_interrupt()
+            raise
+
+    def _next(self, timeout: float | None) -> Any:
         with self._cond:
             if self._current:
                 value = self._current.popleft()
                 if not self._current:
                     self._cond.notify_all()  # the chunk is consumed: the input thread may read one more
                 return value
-            try:
-                ok = self._cond.wait_for(self._settled, timeout)
-            except KeyboardInterrupt:
-                if owner is not None:
-                    owner._handle_interrupt()
-                raise
+            ok = wait_in_slices(lambda t: self._cond.wait_for(self._settled, t), timeout)
             if not ok:
                 raise multiprocessing.TimeoutError(
                     f"result of chunk {self._index} of job {self._job} not ready"

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from pc_pool._api import PoolFrontend
-from pc_pool._engine import check_pool_args
+from pc_pool._engine import TICK, check_pool_args, wait_in_slices
 from pc_pool._protocol import MODE_APPLY, MODE_MAP
 from pc_pool.errors import PoolTerminatedError
 from pc_pool.pool import PoolStates
@@ -22,7 +22,6 @@ from pc_pool.pool import PoolStates
 __all__ = ["CtxThreadPool", "ThreadPool"]
 
 _NO_CONTEXT = object()
-_TICK = 5.0
 
 
 class ThreadPool(PoolFrontend):
@@ -130,7 +129,7 @@ class ThreadPool(PoolFrontend):
                         self._state is PoolStates.CLOSE and not self._open_inputs
                     ):
                         return
-                    self._cond.wait(_TICK)
+                    self._cond.wait(TICK)
                 func, mode, chunk, items, result = self._tasks.popleft()
             if context is not _NO_CONTEXT:
                 func = _bind(func, context)
@@ -180,17 +179,17 @@ class ThreadPool(PoolFrontend):
             ValueError: The pool is still running.
             TimeoutError: The threads did not finish within ``timeout``.
         """
-        import time
-
         if self._state is PoolStates.RUN:
             raise ValueError("Pool is still running; call close() or terminate() before join()")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for t in self._threads:
-            while t.is_alive():
-                left = _TICK if deadline is None else min(_TICK, deadline - time.monotonic())
-                if left <= 0:
-                    raise TimeoutError(f"thread pool did not finish within {timeout} s")
-                t.join(left)
+
+        def threads_exited(seconds: float) -> bool:
+            alive = [t for t in self._threads if t.is_alive()]
+            if alive:
+                alive[0].join(seconds)
+            return not any(t.is_alive() for t in alive)
+
+        if not wait_in_slices(threads_exited, timeout):
+            raise TimeoutError(f"thread pool did not finish within {timeout} s")
 
     def _handle_interrupt(self) -> None:
         self.terminate()
