@@ -120,7 +120,7 @@ def test_pool_ctrl_c_terminates_workers_and_exits_once(tmp_path: pathlib.Path, m
 
 
 LATE_SIGNAL_SCRIPT = r"""
-import os, signal, sys, threading, time
+import multiprocessing, os, signal, sys, threading, time
 import pool_testutils as tu
 from pc_pool import Pool, SimpleP2PQueue, ThreadPool
 
@@ -150,13 +150,14 @@ def interrupt_when_blocked() -> None:
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    pool = ThreadPool(2) if mode == "thread-get" else Pool(2, share_method="cpu")
+    pool = ThreadPool(2) if mode.startswith("thread") else Pool(2, share_method="cpu")
     queue = SimpleP2PQueue()
     wait = {
         "get": lambda: pool.apply_async(tu.sleep_hour).get(3600),
         "thread-get": lambda: pool.apply_async(tu.sleep_hour).get(3600),
         "imap": lambda: next(pool.imap(tu.sleep_hour, range(2))),
         "join": lambda: (pool.apply_async(tu.sleep_hour), pool.close(), pool.join()),
+        "thread-join": lambda: (pool.apply_async(tu.sleep_hour), pool.close(), pool.join()),
         "queue-get": lambda: queue.get(),
     }[mode]
     threading.Thread(target=interrupt_when_blocked, daemon=True).start()
@@ -164,11 +165,19 @@ if __name__ == "__main__":
         wait()
     except KeyboardInterrupt:
         print("interrupted", flush=True)
+        if mode == "join":  # the Ctrl-C terminated the pool, whose workers are reaped before it propagates
+            print("children", len(multiprocessing.active_children()), flush=True)
+        if mode == "thread-join":  # terminate() lets the running call finish: join still waits for it
+            try:
+                pool.join(0.2)
+                print("joined a running thread", flush=True)
+            except TimeoutError:
+                print("still running", flush=True)
         raise
 """
 
 
-@pytest.mark.parametrize("mode", ["get", "thread-get", "imap", "join", "queue-get"])
+@pytest.mark.parametrize("mode", ["get", "thread-get", "imap", "join", "thread-join", "queue-get"])
 def test_pool_main_thread_waits_see_a_ctrl_c_handled_elsewhere(tmp_path: pathlib.Path, mode: str) -> None:
     # A kernel wait of the main thread is not woken by a Ctrl-C whose handler ran elsewhere: without the
     # sliced waits of the main thread this script waits out its hour-long (or unbounded) wait.
@@ -190,7 +199,11 @@ def test_pool_main_thread_waits_see_a_ctrl_c_handled_elsewhere(tmp_path: pathlib
         proc.communicate(timeout=30)
         pytest.fail(f"{mode}: the main thread's wait did not end within 60 s of the Ctrl-C")
     assert proc.returncode != 3, f"{mode}: the main thread never blocked"
-    assert out.strip() == "interrupted", err
+    # join: a Ctrl-C that interrupts Thread.join on CPython 3.10-3.12 marks the live thread stopped
+    # (gh-90882), so a pool that waited in Thread.join would stop waiting for its workers' reaping.
+    after = {"join": ["children 0"], "thread-join": ["still running"]}.get(mode, [])
+    assert out.split("\n")[:-1] == ["interrupted", *after], err
+    assert err.count("Traceback (most recent call last)") == 1, err
     assert "KeyboardInterrupt" in err
 
 

@@ -79,6 +79,10 @@ class ResultThread:
         self._workers = workers
         self._copy_tensor = copy_tensor
         self._started = threading.Event()
+        # Set once the thread's work is done (workers reaped and closed). Callers wait on it rather than on
+        # Thread.join: a Ctrl-C that interrupts Thread.join on CPython 3.10-3.12 marks a live thread as
+        # stopped (gh-90882), and the terminate() that follows would then not wait for the reaping.
+        self._finished = threading.Event()
         self._start_error: BaseException | None = None
         self._close_deadline: float | None = None
         self._unready_deaths = 0
@@ -94,18 +98,18 @@ class ResultThread:
             return TimeoutError(f"pool workers did not start within {timeout} s")
         return self._start_error
 
-    def is_alive(self) -> bool:
-        """Whether the thread still runs (it exits once the pool stopped and its workers are gone)."""
-        return self._thread.is_alive()
-
     def is_current(self) -> bool:
         """Whether the calling thread is this result thread."""
         return threading.current_thread() is self._thread
 
-    def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` s for the thread to exit (no-op if it never started or is the caller)."""
-        if self._thread.ident is not None and not self.is_current():
-            self._thread.join(timeout)
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the thread's work to end; return whether it has (or never started).
+
+        The caller's own result thread does not wait and gets ``True``.
+        """
+        if self._thread.ident is None or self.is_current():
+            return True
+        return self._finished.wait(timeout)
 
     # -- the thread ------------------------------------------------------------------------------------------
     def _run(self, hooks: PoolHooks) -> None:
@@ -145,7 +149,10 @@ class ResultThread:
             _log.exception("pc_pool result thread crashed; terminating the pool")
             st.fail_everything(PoolTerminatedError("the pool's result thread crashed"))
         finally:
-            self._shutdown(hooks)
+            try:
+                self._shutdown(hooks)
+            finally:
+                self._finished.set()
 
     def _check_closed(self, hooks: PoolHooks) -> None:
         """After a drained ``close()``: exit once every worker is gone (killing stragglers after a grace)."""

@@ -271,13 +271,8 @@ class BasePool(PoolFrontend):
         """
         if self._engine.state is PoolStates.RUN:
             raise ValueError("Pool is still running; call close() or terminate() before join()")
-
-        def collector_exited(seconds: float) -> bool:
-            self._collector.join(seconds)
-            return not self._collector.is_alive()
-
         try:
-            if not wait_in_slices(collector_exited, timeout):
+            if not wait_in_slices(self._collector.join, timeout):
                 raise TimeoutError(f"pool did not shut down within {timeout} s")
         except KeyboardInterrupt:
             self._handle_interrupt()

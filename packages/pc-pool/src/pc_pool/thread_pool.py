@@ -66,6 +66,9 @@ class ThreadPool(PoolFrontend):
         self._state = PoolStates.RUN
         self._open_inputs = 0  # lazy imap jobs whose input thread may still queue tasks
         self._broken: BaseException | None = None
+        # Threads not yet finished; join() waits for 0 under the condition rather than in Thread.join, which a
+        # Ctrl-C interrupting it on CPython 3.10-3.12 leaves believing a live thread stopped (gh-90882).
+        self._live = processes
         self._threads = [
             threading.Thread(target=self._run, args=(i,), name=f"pc_pool-thread-{i}", daemon=True)
             for i in range(processes)
@@ -112,6 +115,14 @@ class ThreadPool(PoolFrontend):
             self._cond.notify_all()
 
     def _run(self, index: int) -> None:
+        try:
+            self._serve(index)
+        finally:
+            with self._cond:
+                self._live -= 1
+                self._cond.notify_all()
+
+    def _serve(self, index: int) -> None:
         context = self._context(index)
         try:
             if self._initializer is not None:
@@ -183,10 +194,8 @@ class ThreadPool(PoolFrontend):
             raise ValueError("Pool is still running; call close() or terminate() before join()")
 
         def threads_exited(seconds: float) -> bool:
-            alive = [t for t in self._threads if t.is_alive()]
-            if alive:
-                alive[0].join(seconds)
-            return not any(t.is_alive() for t in alive)
+            with self._cond:
+                return self._cond.wait_for(lambda: self._live == 0, seconds)
 
         if not wait_in_slices(threads_exited, timeout):
             raise TimeoutError(f"thread pool did not finish within {timeout} s")
