@@ -37,8 +37,8 @@ pytestmark = [
 CLOSURES = {
     "pc-pickle": {"pc-pickle"},
     "pc-pool": {"pc-pickle", "pc-pool"},
-    "pc-distributed": {"pc-distributed"},
-    "pc-server": {"pc-distributed", "pc-server"},
+    "pc-distributed": {"pc-pickle", "pc-distributed"},
+    "pc-server": {"pc-pickle", "pc-distributed", "pc-server"},
     "pc-replicate": {"pc-replicate"},
     "pc-sync": {"pc-sync"},
     "pc-assigner": {"pc-assigner"},

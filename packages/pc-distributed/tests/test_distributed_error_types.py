@@ -11,6 +11,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import socket
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -50,13 +51,16 @@ def _bad_input(rank: int) -> dict[str, Any]:
     group = world.create_rpc_group("g", ["0"])
     group.register("double", _double)
     local = 5
+    sock = socket.socket()  # neither pickle nor pc-pickle carries a socket (a lambda travels by value)
     out = {
-        "lambda_arg": _outcome(group.rpc_sync, "0", _double, args=(lambda: local,)),
-        "lambda_kwarg": _outcome(group.rpc_async, "0", _double, kwargs={"x": lambda: local}),
-        "lambda_func": _outcome(group.remote, "0", lambda: local),
-        "service_arg": _outcome(group.registered_sync, "double", args=(lambda: local,)),
+        "sock_arg": _outcome(group.rpc_sync, "0", _double, args=(sock,)),
+        "sock_kwarg": _outcome(group.rpc_async, "0", _double, kwargs={"x": sock}),
+        "sock_func": _outcome(group.remote, "0", sock.fileno),
+        "service_arg": _outcome(group.registered_sync, "double", args=(sock,)),
         "still_works": group.rpc_sync("0", _double, args=(21,)),
+        "lambda_works": group.rpc_sync("0", lambda: local * 2),
     }
+    sock.close()
     group.destroy()
     world.stop()
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
@@ -89,9 +93,9 @@ def test_unknown_backend_is_a_value_error_naming_it_and_the_allowed_ones(bad_inp
 @pytest.mark.parametrize(
     ("case", "names"),
     [
-        ("lambda_arg", "args[0]"),
-        ("lambda_kwarg", "kwargs['x']"),
-        ("lambda_func", "func"),
+        ("sock_arg", "args[0]"),
+        ("sock_kwarg", "kwargs['x']"),
+        ("sock_func", "func"),
         ("service_arg", "args[0]"),
     ],
 )
@@ -101,8 +105,10 @@ def test_unpicklable_rpc_argument_is_a_type_error_naming_it(
     out = bad_input[case]
     assert out["is"]["TypeError"], out
     assert names in out["text"], out
+    assert "pc-pickle" in out["text"], out  # by value was tried too
     assert out["cause"] is not None, out
     assert bad_input["still_works"] == 42
+    assert bad_input["lambda_works"] == 10
 
 
 def _serve_store(conn: Connection) -> None:

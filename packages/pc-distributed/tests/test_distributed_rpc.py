@@ -46,6 +46,10 @@ def raise_unpicklable() -> None:
     raise UnpicklableError()
 
 
+def apply(f: Any, x: Any) -> Any:
+    return f(x)
+
+
 def wait_a_while(seconds: float) -> str:
     threading.Event().wait(seconds)  # deliberately slow, to exceed a per-call timeout
     return "late"
@@ -87,6 +91,19 @@ def _rpc_checks(rank: int) -> dict[str, Any]:
         group.rpc_async("2", add, args=(1, 2)).wait(),
         group.remote("0", add, args=(1, 2)).to_here(),
         group.rpc_sync("2", add, kwargs={"a": 1, "b": 2}),
+    ]
+    # what plain pickle refuses (a closure as the function, lambdas as arguments) travels by value
+    offset = 100 + rank
+    peer = str((rank + 1) % 3)
+    if rank == 0:
+        group.register("apply", apply)
+    group.barrier()
+    out["by_value"] = [
+        group.rpc_sync(peer, lambda v: v + offset, args=(1,)),
+        group.rpc_async(peer, apply, args=(lambda v: v * 2, 21)).wait(),
+        group.remote(peer, apply, kwargs={"f": lambda v: v - offset, "x": offset}).to_here(),
+        group.registered_sync("apply", args=(lambda v: [v, offset], 7)),  # on rank 0: no RPC, same copy
+        group.registered_remote("apply", args=(lambda v: v + 1, 1)).to_here(),
     ]
     out["not_member_target"] = _catch(group.rpc_sync, "9", add, args=(1, 2))
     out["bad_args"] = _catch(group.rpc_sync, "1", add, args=5)
@@ -217,6 +234,11 @@ def test_rpc_calls(observed: list[dict[str, Any]]) -> None:
         assert o["not_member_target"][0] == "ValueError"
         assert o["bad_args"][0] == "TypeError"
         assert o["bad_timeout"][0] == "ValueError"
+
+
+def test_lambdas_and_closures_travel_by_value(observed: list[dict[str, Any]]) -> None:
+    for rank, o in enumerate(observed):
+        assert o["by_value"] == [101 + rank, 42, 0, [7, 100 + rank], 2]
 
 
 def test_pair_register_semantics_and_messages(observed: list[dict[str, Any]]) -> None:

@@ -6,8 +6,13 @@ A :class:`ServiceCall` is one call of a registered service. Without a given owne
 first; if that answers "missing" (a stale cache entry) it looks the owner up again and tries once more. With a
 given owner it goes straight there and never asks the directory. The blocking form waits in the caller's
 thread (as a raw ``rpc_sync`` does), and when the owner is this process it runs the service right here,
-without an RPC to itself, on copies of the arguments and the result (:func:`~._remote.copy_as_sent`), so the
-caller sees what an RPC would have delivered.
+without an RPC to itself, on copies of the arguments and the result (:func:`~._remote.copy_call_as_sent`,
+:func:`~._remote.copy_as_sent`), so the caller sees what an RPC would have delivered.
+
+A call whose function or arguments plain pickle refuses is sent again by value
+(:func:`~._remote.call_by_value` with pc-pickle's bytes); only what neither can carry is a ``TypeError``.
+Plain pickle goes first because torch's RPC pickler sends tensors beside the pickle, without copying them
+into it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 
+import pc_pickle
 from pc_distributed._host import GroupHost
 from pc_distributed._transport import transport_error, with_cause
 from pc_distributed.rpc._backend import RpcBackend
@@ -26,8 +32,10 @@ from pc_distributed.rpc._remote import (
     OK,
     SERVICE,
     MissingOnOwner,
+    call_by_value,
     call_service,
     copy_as_sent,
+    copy_call_as_sent,
     run_service,
     unwrap,
 )
@@ -65,8 +73,9 @@ def invoke(
 
     Raises:
         RuntimeError: If the World has no RPC.
-        TypeError: If an element of ``args`` cannot be pickled; the message names it (``args[1]``) and
-            pickle's error is the ``__cause__``.
+        TypeError: If an element of ``args`` can be pickled neither by plain pickle nor by value with
+            pc-pickle (then the call is sent by value); the message names it (``args[1]``) and pickle's error
+            is the ``__cause__``.
         TimeoutError: If the backend reports a timeout.
         ConnectionError: If the backend reports a lost or refused connection.
     """
@@ -78,37 +87,52 @@ def invoke(
         return method(to, func, args, None, timeout)
     except (RuntimeError, OSError) as exc:
         raise transport_error(exc, to, send) from exc
-    except (AttributeError, TypeError, pickle.PicklingError) as exc:  # pickling the payload failed
-        raise pickling_error(exc, f"{send} to {to!r}", args, parts) from exc
+    except (AttributeError, TypeError, pickle.PicklingError) as exc:  # plain pickle refused the payload
+        refused = exc
+    try:
+        blob = pc_pickle.dumps((func, args))
+    except Exception:
+        raise pickling_error(refused, f"{send} to {to!r}", args, parts, by_value=True) from refused
+    try:
+        return method(to, call_by_value, (blob,), None, timeout)
+    except (RuntimeError, OSError) as exc:
+        raise transport_error(exc, to, send) from exc
 
 
 def pickling_error(
-    exc: BaseException, what: str, payload: tuple[Any, ...], parts: Sequence[str]
+    exc: BaseException, what: str, payload: tuple[Any, ...], parts: Sequence[str], by_value: bool = False
 ) -> BaseException:
     """The ``TypeError`` naming the element of ``payload`` that did not pickle (``exc`` itself if none did).
 
-    The caller chains ``exc`` as the ``__cause__``.
+    ``by_value``: the payload could have travelled by value with pc-pickle too (a call's function and
+    arguments; results are plain pickles), so the element named is one that neither can carry. The caller
+    chains ``exc`` as the ``__cause__``.
     """
-    found = _unpicklable(payload, parts)
+    found = _unpicklable(payload, parts, by_value)
     if found is None:
         return exc
     where, obj = found
     kind = type(obj)
+    how = "neither by pickle nor by value with pc-pickle" if by_value else "by pickle"
     return TypeError(
-        f"{what}: {where} cannot be pickled ({kind.__module__}.{kind.__qualname__}: {exc}); "
-        "RPC sends functions by reference: pass a module-level function and picklable arguments"
+        f"{what}: {where} cannot be pickled {how} ({kind.__module__}.{kind.__qualname__}: {exc})"
     )
 
 
-def _pickles(obj: Any) -> bool:
+def _pickles(obj: Any, by_value: bool) -> bool:
     try:
         pickle.dumps(obj)
     except Exception:
-        return False
+        if not by_value:
+            return False
+        try:
+            pc_pickle.dumps(obj)
+        except Exception:
+            return False
     return True
 
 
-def _unpicklable(payload: tuple[Any, ...], parts: Sequence[str]) -> tuple[str, Any] | None:
+def _unpicklable(payload: tuple[Any, ...], parts: Sequence[str], by_value: bool) -> tuple[str, Any] | None:
     """The first element of ``payload`` (one level into tuples, lists and dicts) that does not pickle."""
     for i, part in enumerate(payload):
         label = parts[i] if i < len(parts) else f"argument {i}"
@@ -118,11 +142,11 @@ def _unpicklable(payload: tuple[Any, ...], parts: Sequence[str]) -> tuple[str, A
         elif isinstance(part, dict):
             items = part.items()
         if items is None:
-            if not _pickles(part):
+            if not _pickles(part, by_value):
                 return label, part
             continue
         for key, item in items:
-            if not _pickles(item):
+            if not _pickles(item, by_value):
                 return f"{label}[{key!r}]", item
     return None
 
@@ -182,9 +206,9 @@ class ServiceCall:
         """Run the service in this process on copies of the arguments; return a copy of its result."""
         what = f"registered_sync of {self._ktext} in this process"
         try:
-            group, ktext, args, kwargs = copy_as_sent(self._payload)
+            group, ktext, args, kwargs = copy_call_as_sent(self._payload)
         except (AttributeError, TypeError, pickle.PicklingError) as exc:
-            raise pickling_error(exc, what, self._payload, _SERVICE_PARTS) from exc
+            raise pickling_error(exc, what, self._payload, _SERVICE_PARTS, by_value=True) from exc
         envelope = run_service(self._host.rpc_tables.get(group), ktext, args, kwargs)
         if envelope[0] != OK:
             return envelope

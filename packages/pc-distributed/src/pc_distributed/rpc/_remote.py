@@ -9,6 +9,11 @@ RPC targets never raise. They return an envelope: ``(OK, value)``, ``(ERR, excep
 (:func:`unwrap`) raises the original exception type with the remote traceback as ``__cause__``; torch's own
 RPC error path would turn every exception into a string.
 
+A call whose function or arguments plain pickle refuses (a lambda, a closure, a class defined in a function)
+travels by value: the caller sends :func:`call_by_value` with pc-pickle's bytes of the target and its
+arguments, and :func:`copy_call_as_sent` makes the same copy for a call run in this process. Results are
+plain pickles on every path.
+
     caller                         owner
     ------                         -----
     rpc_sync(owner, call_service) ──> call_service(group, key, args, kwargs)
@@ -28,6 +33,7 @@ from typing import Any
 
 import torch
 
+import pc_pickle
 from pc_distributed._errors import format_exception, portable_exception, reraise_remote
 from pc_distributed._host import current_world
 
@@ -41,9 +47,11 @@ __all__ = [
     "GroupTables",
     "MissingOnOwner",
     "ProcessTables",
+    "call_by_value",
     "call_func",
     "call_service",
     "copy_as_sent",
+    "copy_call_as_sent",
     "paired_value",
     "run_service",
     "unwrap",
@@ -166,6 +174,21 @@ def call_func(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     return _run(func, args, kwargs)
 
 
+def call_by_value(blob: bytes) -> Envelope:
+    """RPC target: run a call that travelled by value; ``blob`` is pc-pickle's ``(target, args)``.
+
+    ``target`` is one of this module's RPC targets (:func:`call_func`, :func:`call_service`, ...), so the
+    envelope is theirs. A payload that does not load here (a function whose module this process cannot import)
+    is an ``ERR`` envelope with that error, like an exception of the call.
+    """
+    try:
+        target, args = pc_pickle.loads(blob)
+    except Exception as exc:
+        return (ERR, portable_exception(exc), format_exception(exc))
+    envelope: Envelope = target(*args)
+    return envelope
+
+
 def unwrap(envelope: Envelope, where: str, copy_value: bool = False) -> Any:
     """Return the value of an envelope or raise its exception.
 
@@ -227,3 +250,22 @@ def copy_as_sent(value: Any) -> Any:
     _CopyPickler(buffer, tensors).dump(value)
     buffer.seek(0)
     return _CopyUnpickler(buffer, tensors).load()
+
+
+def copy_call_as_sent(payload: tuple[Any, ...]) -> tuple[Any, ...]:
+    """:func:`copy_as_sent` of a call's arguments, by value with pc-pickle where plain pickle refuses them.
+
+    That is the copy a call to another process delivers (see the module).
+
+    Raises:
+        TypeError: (or pickle's own error) If neither plain pickle nor pc-pickle can carry ``payload``; the
+            error raised is plain pickle's.
+    """
+    try:
+        copied: tuple[Any, ...] = copy_as_sent(payload)
+    except (AttributeError, TypeError, pickle.PicklingError) as refused:
+        try:
+            copied = pc_pickle.loads(pc_pickle.dumps(payload))
+        except Exception:
+            raise refused from None
+    return copied

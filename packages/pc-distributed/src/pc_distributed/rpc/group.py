@@ -236,7 +236,8 @@ class RpcGroup:
         Raises:
             KeyError: If no service is registered under ``key`` (or ``owner`` does not hold it).
             ValueError: If ``owner`` is not a member.
-            TypeError: If an argument or the result cannot be pickled (the message names it).
+            TypeError: If an argument can be pickled neither by pickle nor by value with pc-pickle, or the
+                result cannot be pickled (the message names it).
             TimeoutError: If the owner did not answer in time.
             ConnectionError: If the owner is unreachable (e.g. dead).
             Exception: The service's exception, original type, remote traceback as ``__cause__``.
@@ -291,12 +292,13 @@ class RpcGroup:
     ) -> Any:
         """Run ``func(*args, **kwargs)`` on member ``to`` and return the result.
 
-        ``func`` must be picklable by reference (a module-level function or a builtin).
+        ``func`` and the arguments go by pickle; what it refuses (a lambda, a closure) goes by value with
+        pc-pickle. The result goes back by pickle.
 
         Raises:
             ValueError: If ``to`` is not a member.
-            TypeError: If ``func`` or an argument cannot be pickled (the message names it; pickle's error is
-                the ``__cause__``).
+            TypeError: If ``func`` or an argument can be pickled neither way (the message names it; pickle's
+                error is the ``__cause__``).
             TimeoutError: If ``to`` did not answer within ``timeout`` (None or -1: the World's
                 ``rpc_timeout``).
             ConnectionError: If ``to`` is unreachable.
