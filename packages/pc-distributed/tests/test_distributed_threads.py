@@ -25,7 +25,7 @@ import torch.distributed as dist
 from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
-from pc_distributed._store import arrival_key, lookup, store_barrier, wait_keys
+from pc_distributed._store import StoreBarrier, arrival_key, lookup, wait_keys
 from pc_distributed._store_waits import StoreClosedError, WaitStores
 from pc_distributed.rpc import _remote
 from pc_distributed.rpc._directory import claim_entry
@@ -165,7 +165,7 @@ def test_barrier_wait_leaves_the_shared_client_to_other_threads(tcp_store: Any) 
 
     def member_a() -> None:
         try:
-            store_barrier(shared, waits, "bar", 0, "a", ["a", "b"], _T)
+            StoreBarrier(shared, waits, "bar", "a", ["a", "b"]).enter(0, _T)
         except BaseException as exc:
             errors.append(exc)
 
@@ -176,7 +176,7 @@ def test_barrier_wait_leaves_the_shared_client_to_other_threads(tcp_store: Any) 
     shared.compare_set("dir/k", "", "me")
     seen = lookup(shared, "dir/k")
     assert thread.is_alive()  # "b" has not arrived, so "a" cannot have left the barrier
-    store_barrier(shared, waits, "bar", 0, "b", ["a", "b"], _T)
+    StoreBarrier(shared, waits, "bar", "b", ["a", "b"]).enter(0, _T)
     thread.join(_T)
     assert seen == "me"
     assert not thread.is_alive()
@@ -190,13 +190,13 @@ def test_a_timed_out_wait_names_the_missing_and_drops_its_connection(tcp_store: 
     shared = dist.PrefixStore("p", tcp_store)
     waits = WaitStores(tcp_store, "p", _T)
     with pytest.raises(TimeoutError, match=r"members that did not arrive: \['b'\]"):
-        store_barrier(shared, waits, "bar", 0, "a", ["a", "b"], 0.2)
+        StoreBarrier(shared, waits, "bar", "a", ["a", "b"]).enter(0, 0.2)
     assert waits.idle_clients() == 0
     waits.close()
     with pytest.raises(StoreClosedError, match="closed"):
         waits.wait(["x"], 1.0)
     with pytest.raises(StoreClosedError):  # not mistaken for a timeout of the barrier
-        store_barrier(shared, waits, "bar", 1, "a", ["a", "b"], 1.0)
+        StoreBarrier(shared, waits, "bar", "a", ["a", "b"]).enter(1, 1.0)
 
 
 def test_waits_on_a_file_store_use_it_directly() -> None:

@@ -9,6 +9,7 @@ its own), so that a thread waiting here never stalls another thread's requests.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch.distributed as dist
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from pc_distributed._store_waits import StoreClosedError
 from pc_distributed._torch_dist import Store
 
-__all__ = ["Waiter", "arrival_key", "claim", "lookup", "release", "store_barrier", "wait_keys"]
+__all__ = ["StoreBarrier", "Waiter", "arrival_key", "claim", "lookup", "release", "wait_keys"]
 
 
 class Waiter(Protocol):
@@ -77,47 +78,62 @@ def arrival_key(prefix: str, generation: int, member: str) -> str:
     return f"{prefix}/{generation}/arrived/{member}"
 
 
-def store_barrier(
-    store: Store,
-    waiter: Waiter,
-    prefix: str,
-    generation: int,
-    me: str,
-    members: Sequence[str],
-    timeout: float,
-    wait: bool = True,
-) -> None:
-    """Block until every member entered generation ``generation`` of the barrier under ``prefix``.
+@dataclass(frozen=True)
+class StoreBarrier:
+    """A repeatable barrier of ``members`` under ``prefix`` in a store, as seen by member ``me``.
 
-    Each member marks itself arrived and increments a counter; the one reaching the group size sets a
-    persistent ``done`` key (no pulse that a late waiter could miss) and deletes the keys of the previous
-    generation, which every member has left by then. The wait itself runs on ``waiter`` (a connection of its
-    own), so other threads' requests on ``store`` go on meanwhile.
+    Each generation is one barrier: every member marks itself arrived and increments a counter; the one
+    reaching the group size sets a persistent ``done`` key (no pulse that a late waiter could miss) and
+    deletes the keys of the previous generation, which every member has left by then. The wait runs on
+    ``waiter`` (a connection of its own), so other threads' requests on ``store`` go on meanwhile.
 
-    Raises:
-        TimeoutError: Naming the members that did not arrive.
+    Args:
+        store: The store (short requests).
+        waiter: Does the blocking wait on a connection of its own.
+        prefix: The barrier's keys live under it.
+        me: This member's name.
+        members: Every member's name.
     """
-    base = f"{prefix}/{generation}"
-    store.set(arrival_key(prefix, generation, me), "1")
-    if store.add(f"{base}/n", 1) == len(members):
-        store.set(f"{base}/done", "1")
-        if generation > 0:
-            old = f"{prefix}/{generation - 1}"
-            for key in (f"{old}/n", f"{old}/done", *(f"{old}/arrived/{m}" for m in members)):
-                store.delete_key(key)
-    if not wait:  # arrive without waiting (a member that leaves must not hold the others up)
-        return
-    try:
-        waiter.wait([f"{base}/done"], timeout)
-    except StoreClosedError:
-        raise
-    except (RuntimeError, dist.DistStoreError) as exc:
-        if store.check([f"{base}/done"]):  # pragma: no cover - completed right at the deadline
+
+    store: Store
+    waiter: Waiter
+    prefix: str
+    me: str
+    members: Sequence[str]
+
+    def enter(self, generation: int, timeout: float, wait: bool = True) -> None:
+        """Enter generation ``generation`` and block until every member entered it.
+
+        Args:
+            generation: The barrier's number, the same on every member (0, 1, ... in order).
+            timeout: Seconds to wait for the others.
+            wait: False to arrive without waiting (a member that leaves must not hold the others up).
+
+        Raises:
+            TimeoutError: Naming the members that did not arrive.
+        """
+        store, prefix, members = self.store, self.prefix, self.members
+        base = f"{prefix}/{generation}"
+        store.set(arrival_key(prefix, generation, self.me), "1")
+        if store.add(f"{base}/n", 1) == len(members):
+            store.set(f"{base}/done", "1")
+            if generation > 0:
+                old = f"{prefix}/{generation - 1}"
+                for key in (f"{old}/n", f"{old}/done", *(f"{old}/arrived/{m}" for m in members)):
+                    store.delete_key(key)
+        if not wait:
             return
-        missing = [m for m in members if not store.check([arrival_key(prefix, generation, m)])]
-        raise TimeoutError(
-            f"barrier {prefix!r} timed out after {timeout:g} s; members that did not arrive: {missing}"
-        ) from exc
+        try:
+            self.waiter.wait([f"{base}/done"], timeout)
+        except StoreClosedError:
+            raise
+        except (RuntimeError, dist.DistStoreError) as exc:
+            if store.check([f"{base}/done"]):  # pragma: no cover - completed right at the deadline
+                return
+            missing = [m for m in members if not store.check([arrival_key(prefix, generation, m)])]
+            raise TimeoutError(
+                f"barrier {prefix!r} timed out after {timeout:g} s; members that did not arrive: {missing}"
+            ) from exc
 
 
 def _text(value: bytes | str) -> str:

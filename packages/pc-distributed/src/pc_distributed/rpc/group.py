@@ -21,7 +21,7 @@ import torch
 
 from pc_distributed._host import GroupHost, current_world
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed._store import store_barrier
+from pc_distributed._store import StoreBarrier
 from pc_distributed._transport import chain_future, check_call_args, resolve_timeout
 from pc_distributed.rpc._calls import Send, ServiceCall, invoke
 from pc_distributed.rpc._directory import Directory
@@ -362,7 +362,7 @@ class RpcGroup:
             gen = self._barrier_gen
             self._barrier_gen += 1
             prefix = f"rg/{self.group_name}/{self._instance}/bar"
-            store_barrier(world.store, world.waits, prefix, gen, world.name, self.group_members, limit)
+            StoreBarrier(world.store, world.waits, prefix, world.name, self.group_members).enter(gen, limit)
 
     def destroy(self) -> None:
         """Leave the group: remove this process's directory entries and local tables (idempotent)."""

@@ -32,7 +32,7 @@ from pc_distributed._bounded import BoundedStore, call_bounded
 from pc_distributed._checks import int_in_range, positive_seconds
 from pc_distributed._host import clear_world, current_world, install_world
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed._store import store_barrier
+from pc_distributed._store import StoreBarrier
 from pc_distributed._store_waits import WaitStores
 from pc_distributed._transport import resolve_timeout
 from pc_distributed.collective.group import CollectiveGroup, create_collective_group
@@ -418,7 +418,8 @@ class World:
         try:
             if not wait:
                 store.set("world/stop_abandoned", self.name)
-            store_barrier(store, conn.waits, "world/stop", 0, self.name, self._names, timeout, wait=wait)
+            barrier = StoreBarrier(store, conn.waits, "world/stop", self.name, self._names)
+            barrier.enter(0, timeout, wait=wait)
             if wait and store.check(["world/stop_abandoned"]):
                 logger.info("World.stop: a rank left non-gracefully; shutting RPC down non-gracefully")
                 return False

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from pc_distributed.parallel._comm import broadcast_tensors, wait_work
 from pc_distributed.parallel.daso._topology import DasoTopology
 
-__all__ = ["Exchange", "complete_exchange", "flatten", "staleness_merge", "start_exchange"]
+__all__ = ["Exchange", "complete_exchange", "flatten", "staleness_merge"]
 
 
 @dataclass
 class Exchange:
-    """One global exchange in flight."""
+    """One global exchange in flight: due at batch ``due``, sent by the node's local rank ``sender``."""
 
     due: int
     staleness: int
@@ -30,30 +30,16 @@ class Exchange:
     payload: torch.Tensor | None = None
     works: list[Any] = field(default_factory=list)
 
+    def send(self, payload: torch.Tensor, group: Any, chunk_size: int) -> None:
+        """Post the asynchronous all-reduces of ``payload`` over ``group``, ``chunk_size`` elements each."""
+        self.payload = payload
+        for chunk in torch.split(payload, chunk_size):
+            self.works.append(dist.all_reduce(chunk, group=group, async_op=True))
+
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """All ``tensors`` as one flat float32 tensor (a copy)."""
     return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
-
-
-def start_exchange(
-    tensors: list[torch.Tensor],
-    ref: torch.Tensor,
-    due: int,
-    staleness: int,
-    sender: int,
-    topology: DasoTopology,
-    cast_dtype: torch.dtype,
-    chunk_size: int,
-) -> Exchange:
-    """Start an exchange due at batch ``due``; only the node's ``sender`` sends (asynchronously)."""
-    exchange = Exchange(due=due, staleness=staleness, sender=sender)
-    if topology.local_rank == sender:
-        payload = (flatten(tensors) - ref).to(cast_dtype)
-        exchange.payload = payload
-        for chunk in torch.split(payload, chunk_size):
-            exchange.works.append(dist.all_reduce(chunk, group=topology.column_group, async_op=True))
-    return exchange
 
 
 def complete_exchange(

@@ -40,7 +40,6 @@ from pc_distributed.parallel.daso._exchange import (
     complete_exchange,
     flatten,
     staleness_merge,
-    start_exchange,
 )
 from pc_distributed.parallel.daso._schedule import PlateauDetector, SkipState, next_skips, phase_of
 from pc_distributed.parallel.daso._topology import DasoTopology, build_topology, default_local_size
@@ -302,18 +301,14 @@ class DASO:
         return flatten(self._tensors)
 
     def _start(self, due: int, staleness: int) -> Exchange:
+        """Start an exchange due at batch ``due``; only the node's sender this time sends (asynchronously)."""
         sender = self._send_mod
         self._send_mod = (self._send_mod + 1) % self.topology.local_size
-        return start_exchange(
-            self._tensors,
-            self._ref,
-            due,
-            staleness,
-            sender,
-            self.topology,
-            self.cast_dtype,
-            self.sending_chunk_size,
-        )
+        exchange = Exchange(due=due, staleness=staleness, sender=sender)
+        if self.topology.local_rank == sender:
+            drift = (flatten(self._tensors) - self._ref).to(self.cast_dtype)
+            exchange.send(drift, self.topology.column_group, self.sending_chunk_size)
+        return exchange
 
     def _complete(self, exchange: Exchange) -> None:
         ref = complete_exchange(exchange, self._tensors, self._ref, self.topology, self.timeout)
