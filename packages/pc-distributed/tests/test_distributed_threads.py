@@ -28,7 +28,7 @@ import pc_distributed as pd
 from pc_distributed._store import StoreBarrier, arrival_key, lookup, wait_keys
 from pc_distributed._store_waits import StoreClosedError, WaitStores
 from pc_distributed.rpc import _remote
-from pc_distributed.rpc._directory import claim_entry
+from pc_distributed.rpc._directory import Directory
 
 _T = 30.0  # seconds any one step may take before the check counts as failed (normally milliseconds)
 _STEPS = ("barrier", "join", "collective", "stop")
@@ -225,6 +225,14 @@ class _HeldStore:
         return desired.encode()
 
 
+class _Host:
+    """The part of a World a directory uses: its store and its member name."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.name = "me"
+
+
 def test_a_claim_in_flight_does_not_hold_up_calls_to_other_services() -> None:
     process = _remote.ProcessTables()  # what a World owns
     tables = process.install("threads-claim")
@@ -235,7 +243,7 @@ def test_a_claim_in_flight_does_not_hold_up_calls_to_other_services() -> None:
 
         def register() -> None:
             try:
-                claim_entry(tables, _remote.SERVICE, "'new'", _plus_one, store, "dir/new", "me", "taken")
+                Directory(_Host(store), "g").claim(tables, _remote.SERVICE, "'new'", _plus_one, "taken")
                 claimed.append(None)
             except BaseException as exc:
                 claimed.append(exc)
@@ -283,8 +291,8 @@ def test_a_call_racing_with_its_keys_claim_is_served_once_the_claim_settles() ->
         tables.settled = observed
         store = _HeldStore()
         registered = threading.Thread(
-            target=claim_entry,
-            args=(tables, _remote.SERVICE, "'new'", _plus_one, store, "dir/new", "me", "taken"),
+            target=Directory(_Host(store), "g").claim,
+            args=(tables, _remote.SERVICE, "'new'", _plus_one, "taken"),
         )
         registered.start()
         assert store.entered.wait(_T)  # the claim's store request is in flight

@@ -14,11 +14,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from pc_distributed._host import GroupHost, StoreClient
+from pc_distributed._host import GroupHost
 from pc_distributed._store import claim, lookup, release
 from pc_distributed.rpc._remote import SERVICE, VALUE, GroupTables
 
-__all__ = ["Directory", "claim_entry", "release_entry"]
+__all__ = ["Directory"]
 
 
 class Directory:
@@ -56,16 +56,58 @@ class Directory:
         return owner
 
     def claim(self, tables: GroupTables, kind: str, ktext: str, obj: Any, taken: str) -> None:
-        """Own ``(kind, ktext)`` with ``obj`` (see :func:`claim_entry`)."""
+        """Put ``obj`` in this process's ``tables`` and claim ``(kind, ktext)`` in the store; undo if taken.
+
+        The table entry comes first, so the directory never names an owner that lacks the object. The table
+        lock is not held across the store request (other threads' calls and registrations go on meanwhile);
+        the key is marked pending instead, and a call for this very key waits until the claim settled.
+
+        Raises:
+            KeyError: ``taken``, if this process or another one holds the key.
+        """
         me = self._host.name
-        claim_entry(tables, kind, ktext, obj, self._host.store, self.key(kind, ktext), me, taken)
+        table: dict[str, Any] = tables.values if kind == VALUE else tables.services
+        with tables.lock:
+            if ktext in table or (kind, ktext) in tables.pending:
+                raise KeyError(taken)
+            table[ktext] = obj
+            tables.pending.add((kind, ktext))
+        won = False
+        try:
+            won = claim(self._host.store, self.key(kind, ktext), me) == me
+        finally:
+            with tables.lock:
+                tables.pending.discard((kind, ktext))
+                if not won:
+                    del table[ktext]
+                tables.settled.notify_all()
+        if not won:
+            raise KeyError(taken)
         with self._lock:
             self._cache[(kind, ktext)] = me
 
     def release(self, tables: GroupTables, kind: str, ktext: str, not_owner: str) -> None:
-        """Give up ``(kind, ktext)`` (see :func:`release_entry`)."""
+        """Remove this process's entry and its directory key (the table lock is not held across the store).
+
+        Raises:
+            KeyError: ``not_owner``, if this process does not hold the key.
+        """
         me = self._host.name
-        release_entry(tables, kind, ktext, self._host.store, self.key(kind, ktext), me, not_owner)
+        table: dict[str, Any] = tables.values if kind == VALUE else tables.services
+        with tables.lock:
+            if ktext not in table or (kind, ktext) in tables.pending:
+                raise KeyError(not_owner)
+            tables.pending.add((kind, ktext))
+        released = False
+        try:
+            release(self._host.store, self.key(kind, ktext), me)
+            released = True
+        finally:
+            with tables.lock:
+                tables.pending.discard((kind, ktext))
+                if released:
+                    del table[ktext]
+                tables.settled.notify_all()
         with self._lock:
             self._cache.pop((kind, ktext), None)
 
@@ -75,66 +117,3 @@ class Directory:
             entries = [(VALUE, k) for k in tables.values] + [(SERVICE, k) for k in tables.services]
         for kind, ktext in entries:
             release(self._host.store, self.key(kind, ktext), self._host.name)
-
-
-def claim_entry(
-    tables: GroupTables,
-    kind: str,
-    ktext: str,
-    obj: Any,
-    store: StoreClient,
-    dir_key: str,
-    me: str,
-    taken: str,
-) -> None:
-    """Put ``obj`` in this process's table and claim ``dir_key`` in the store; undo and raise if taken.
-
-    The table entry comes first, so the directory never names an owner that lacks the object. The table lock
-    is not held across the store request (other threads' calls and registrations go on meanwhile); the key is
-    marked pending instead, and a call for this very key waits until the claim settled.
-
-    Raises:
-        KeyError: ``taken``, if this process or another one holds the key.
-    """
-    table: dict[str, Any] = tables.values if kind == VALUE else tables.services
-    with tables.lock:
-        if ktext in table or (kind, ktext) in tables.pending:
-            raise KeyError(taken)
-        table[ktext] = obj
-        tables.pending.add((kind, ktext))
-    won = False
-    try:
-        won = claim(store, dir_key, me) == me
-    finally:
-        with tables.lock:
-            tables.pending.discard((kind, ktext))
-            if not won:
-                del table[ktext]
-            tables.settled.notify_all()
-    if not won:
-        raise KeyError(taken)
-
-
-def release_entry(
-    tables: GroupTables, kind: str, ktext: str, store: StoreClient, dir_key: str, me: str, not_owner: str
-) -> None:
-    """Remove this process's entry and its directory key (the table lock is not held across the store).
-
-    Raises:
-        KeyError: ``not_owner``, if this process does not hold the key.
-    """
-    table: dict[str, Any] = tables.values if kind == VALUE else tables.services
-    with tables.lock:
-        if ktext not in table or (kind, ktext) in tables.pending:
-            raise KeyError(not_owner)
-        tables.pending.add((kind, ktext))
-    released = False
-    try:
-        release(store, dir_key, me)
-        released = True
-    finally:
-        with tables.lock:
-            tables.pending.discard((kind, ktext))
-            if released:
-                del table[ktext]
-            tables.settled.notify_all()

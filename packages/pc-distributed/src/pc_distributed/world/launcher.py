@@ -24,6 +24,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,39 +48,52 @@ _ERR = 1
 _GRACE_S = 5.0
 
 
-def _child_main(
-    fn: Callable[..., Any],
-    rank: int,
-    world_size: int,
-    args: tuple[Any, ...],
-    env: dict[str, str],
-    conn: Any,
-    world_kwargs: dict[str, Any],
-    deadline_wall: float,
-) -> None:
-    os.environ.update(env)
-    from pc_distributed.world.world import World
+@dataclass(frozen=True)
+class _RankJob:
+    """What every rank process runs: ``fn(rank, *args)`` inside its World, the result sent to the parent.
 
-    message: tuple[Any, ...]
-    world: World | None = None
-    ok = False
-    try:
+    Args:
+        fn: The user's function.
+        args: Its arguments after the rank.
+        world_size: Number of ranks.
+        env: The rendezvous variables every rank shares (``RANK``/``LOCAL_RANK`` are added per rank).
+        world_kwargs: Keyword arguments of each rank's :class:`~pc_distributed.World`.
+        deadline_wall: ``time.time()`` by which ``run_world`` gives up (bounds the World's stop).
+    """
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    world_size: int
+    env: dict[str, str]
+    world_kwargs: dict[str, Any]
+    deadline_wall: float
+
+    def run(self, rank: int, conn: Any) -> None:
+        """The rank process's body: start the World, run ``fn``, send the result on ``conn``, stop."""
+        os.environ.update({**self.env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+        from pc_distributed.world.world import World
+
+        message: tuple[Any, ...]
+        world: World | None = None
+        ok = False
         try:
-            world = World(name=str(rank), rank=rank, world_size=world_size, **world_kwargs)
-            message = (_OK, fn(rank, *args))
-            ok = True
-        except BaseException as exc:
-            message = (_ERR, portable_exception(exc), format_exception(exc))
-        # The result goes to the parent before the World stops: a graceful stop waits for every peer, and a
-        # peer that died would otherwise cost this rank its result when the parent's grace period runs out.
-        _send(conn, rank, message)
-    finally:
-        conn.close()
-        if world is not None:
             try:
-                world.stop(timeout=max(1.0, deadline_wall - time.time()), graceful=ok)
-            except BaseException as exc:  # pragma: no cover - stop() is bounded and catches its errors
-                logger.warning("rank %d: World.stop failed: %r", rank, exc)
+                world = World(name=str(rank), rank=rank, world_size=self.world_size, **self.world_kwargs)
+                message = (_OK, self.fn(rank, *self.args))
+                ok = True
+            except BaseException as exc:
+                message = (_ERR, portable_exception(exc), format_exception(exc))
+            # The result goes to the parent before the World stops: a graceful stop waits for every peer,
+            # and a peer that died would otherwise cost this rank its result when the parent's grace period
+            # runs out.
+            _send(conn, rank, message)
+        finally:
+            conn.close()
+            if world is not None:
+                try:
+                    world.stop(timeout=max(1.0, self.deadline_wall - time.time()), graceful=ok)
+                except BaseException as exc:  # pragma: no cover - stop() is bounded and catches its errors
+                    logger.warning("rank %d: World.stop failed: %r", rank, exc)
 
 
 def _send(conn: Any, rank: int, message: tuple[Any, ...]) -> None:
@@ -211,18 +225,14 @@ def run_world(
     start = time.monotonic()
     deadline = start + timeout
     deadline_wall = time.time() + timeout
+    job = _RankJob(fn, tuple(args), world_size, env, world_kwargs, deadline_wall)
     procs: list[Any] = []
     conns: list[Any] = []
     finished = False
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            proc = ctx.Process(
-                target=_child_main,
-                args=(fn, rank, world_size, tuple(args), rank_env, writer, world_kwargs, deadline_wall),
-                name=f"pc-world-rank-{rank}",
-            )
+            proc = ctx.Process(target=job.run, args=(rank, writer), name=f"pc-world-rank-{rank}")
             proc.start()
             writer.close()
             procs.append(proc)
