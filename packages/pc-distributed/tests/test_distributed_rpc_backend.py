@@ -60,10 +60,10 @@ def _checks(rank: int) -> dict[str, Any]:
     world = pd.get_world()
     assert world is not None
     out: dict[str, Any] = {
-        "backend": (type(world.rpc_backend).__name__, getattr(world.rpc_backend, "name", None)),
+        "backend": (type(world.rpc_transport).__name__, getattr(world.rpc_transport, "name", None)),
     }
-    recorder = _Recorder(world.rpc_backend)
-    world.rpc_backend = recorder
+    recorder = _Recorder(world.rpc_transport)
+    world.rpc_transport = recorder
     group = world.create_rpc_group("seam", ["0", "1"])
     if rank == 1:
         group.register("add", _add)

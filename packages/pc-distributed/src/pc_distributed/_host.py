@@ -55,7 +55,7 @@ class GroupHost(Protocol):
     @property
     def waits(self) -> Waiter: ...
     @property
-    def rpc_backend(self) -> Any:
+    def rpc_transport(self) -> Any:
         """The World's RPC backend (``rpc._backend.RpcBackend``; None without RPC): what calls travel on."""
 
     @property

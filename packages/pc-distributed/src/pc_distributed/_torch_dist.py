@@ -1,6 +1,7 @@
 """The thin layer over torch.distributed and torch.distributed.rpc that World uses to start and stop.
 
-RPC's start and shutdown here are the TensorPipe backend's (``rpc._tensorpipe``), which the World starts.
+RPC's start and shutdown here are the TensorPipe backend's (``rpc._tensorpipe``), which the World starts; the
+c10d backend's links (a gloo process group per pair of members) are made by :func:`pair_link`.
 
 Every torch call that sets up or tears down global state lives here, so a change in torch touches one file.
 Public torch APIs only, with one exception named in :func:`rpc_options` (TensorPipe's transports).
@@ -32,7 +33,9 @@ __all__ = [
     "new_group",
     "open_store",
     "p2p_carries",
+    "pair_link",
     "prefix_store",
+    "rpc_available",
     "rpc_options",
     "shutdown_rpc",
     "start_rpc",
@@ -44,6 +47,7 @@ __all__ = [
 Store: Any = dist.Store  # type: ignore[attr-defined]
 _PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
+_ProcessGroupGloo: Any = getattr(dist, "ProcessGroupGloo", None)
 # TensorPipe's event-driven transport (libuv, TCP); its "shm" and "ibv" transports busy-poll.
 _EVENT_TRANSPORT = "uv"
 _rendezvous: Any = dist.rendezvous  # type: ignore[attr-defined]
@@ -70,6 +74,33 @@ def p2p_carries(backend: str, device_type: str) -> bool:
         per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
         name = per_device.get(device_type, "")
     return name != "gloo"
+
+
+def rpc_available() -> bool:
+    """Whether this torch build has ``torch.distributed.rpc`` (TensorPipe); builds may leave it out."""
+    return bool(rpc.is_available())
+
+
+def pair_link(store: Any, me: int, other: int, timeout: float) -> Any:
+    """A gloo process group of two members, ``me`` and ``other``, rendezvousing on ``store``.
+
+    Both members call it (in the same order of pairs, so that no two wait on each other); the member with the
+    lower number is the group's rank 0. The group is built with ``ProcessGroupGloo``'s public constructor, not
+    ``new_group``, so that it needs no default process group and is private to the pair: a timeout or a lost
+    connection breaks this pair's group only. Its devices follow ``GLOO_SOCKET_IFNAME`` as every gloo group's.
+
+    Args:
+        store: The rendezvous store (scoped to the caller's World).
+        me: This member's number.
+        other: The peer's number.
+        timeout: Seconds of the rendezvous and of every later wait on the group (gloo's context timeout).
+
+    Raises:
+        RuntimeError: torch's error if the peer does not arrive within ``timeout`` or gloo is not built in.
+    """
+    low, high = sorted((me, other))
+    scoped = _PrefixStore(f"link/{low}-{high}", store)
+    return _ProcessGroupGloo(scoped, 0 if me == low else 1, 2, timedelta(seconds=timeout))
 
 
 def open_store(url: str, rank: int, world_size: int, timeout: float) -> Any:

@@ -1,7 +1,7 @@
 """The RPC layer's transport seam: what ``RpcGroup`` and ``RemoteRef`` need from an RPC backend.
 
 A World owns one backend, started with it and shut down by :meth:`World.stop`; the groups reach it through
-their World (``GroupHost.rpc_backend``) and never call a transport themselves. A backend carries calls
+their World (``GroupHost.rpc_transport``) and never call a transport themselves. A backend carries calls
 between the World's members, addressed by member name:
 
 - **call** a module-level function on a member and get its return value back: blocking (:meth:`call_sync`),
@@ -18,19 +18,56 @@ types: ``TimeoutError``/``ConnectionError``, or torch's ``RuntimeError``/``OSErr
 maps with :func:`pc_distributed._transport.transport_error`; a payload that cannot be pickled raises
 (``TypeError``, ``AttributeError`` or ``pickle.PicklingError``) before anything is sent.
 
-Starting a backend is the World's, per backend (each needs different things: a rendezvous URL, a process
-group); a started backend is used only through this protocol. Implementations: ``_tensorpipe``
-(``torch.distributed.rpc`` over TensorPipe).
+Starting a backend is the World's, per backend (each needs different things: a rendezvous URL, links made on
+the store); a started backend is used only through this protocol. Implementations: ``_tensorpipe``
+(``torch.distributed.rpc`` over TensorPipe) and ``_c10d`` (a gloo process group per pair of members, with
+pc-pickle). :func:`choose_backend` resolves the World's ``rpc_backend`` argument to one of them.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["RemoteValue", "RpcBackend"]
+from pc_distributed import _torch_dist
+
+__all__ = ["AUTO_CHOICE", "BACKENDS", "ENV_VAR", "RemoteValue", "RpcBackend", "choose_backend"]
+
+BACKENDS = ("tensorpipe", "c10d")
+ENV_VAR = "PC_RPC_BACKEND"
+"""The environment variable that ``rpc_backend="auto"`` reads first (``tensorpipe`` or ``c10d``)."""
+AUTO_CHOICE = "tensorpipe"
+"""What ``auto`` picks when torch has RPC and the variable is unset (docs/distributed.md says why)."""
+
+
+def choose_backend(requested: object) -> str:
+    """The backend a World uses for ``rpc_backend=requested``.
+
+    ``"tensorpipe"`` and ``"c10d"`` are taken as given (TensorPipe only where this torch build has
+    ``torch.distributed.rpc``). ``"auto"`` is :data:`ENV_VAR` if set, else ``"c10d"`` on a torch without RPC,
+    else :data:`AUTO_CHOICE`.
+
+    Raises:
+        TypeError: If ``requested`` is not a str.
+        ValueError: If it (or the variable) names no backend, or names TensorPipe on a torch without RPC.
+    """
+    if not isinstance(requested, str):
+        raise TypeError(f"rpc_backend must be a str, got {type(requested).__name__}")
+    choice, source = requested.lower(), f"rpc_backend {requested!r}"
+    if choice == "auto":
+        from_env = os.environ.get(ENV_VAR, "").strip().lower()
+        if from_env:
+            choice, source = from_env, f"{ENV_VAR}={os.environ[ENV_VAR]!r}"
+        else:
+            choice = AUTO_CHOICE if _torch_dist.rpc_available() else "c10d"
+    if choice not in BACKENDS:
+        raise ValueError(f"{source}: expected one of {[*BACKENDS, 'auto']}")
+    if choice == "tensorpipe" and not _torch_dist.rpc_available():
+        raise ValueError(f"{source}: this torch build has no torch.distributed.rpc; use 'c10d' or 'auto'")
+    return choice
 
 
 class RemoteValue(Protocol):

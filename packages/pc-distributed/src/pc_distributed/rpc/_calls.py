@@ -79,7 +79,7 @@ def invoke(
         TimeoutError: If the backend reports a timeout.
         ConnectionError: If the backend reports a lost or refused connection.
     """
-    backend: RpcBackend | None = host.rpc_backend if host.init_rpc else None
+    backend: RpcBackend | None = host.rpc_transport if host.init_rpc else None
     if backend is None:
         raise RuntimeError("RPC calls need a World created with init_rpc=True")
     method = {"rpc_sync": backend.call_sync, "rpc_async": backend.call, "remote": backend.remote}[send]

@@ -62,6 +62,11 @@ class Connection:
         client = _torch_dist.store_client(self.raw, timeout) or self.raw
         return _torch_dist.prefix_store(f"{self.prefix}/pg", client) if self.outlives_attempt else client
 
+    def link_store(self, timeout: float) -> Any:
+        """The c10d RPC backend's store: a client of its own, scoped to this World (keys ``<prefix>/links``)."""
+        client = _torch_dist.store_client(self.raw, timeout) or self.raw
+        return _torch_dist.prefix_store(f"{self.prefix}/links", client)
+
     def rpc_init_method(self, dist_url: str, timeout: float) -> str:
         """RPC's init method; on a store that outlives a restart, a client scoped to this attempt."""
         if self.outlives_attempt and self.rpc_url == dist_url:

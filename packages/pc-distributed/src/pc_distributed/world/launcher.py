@@ -31,6 +31,7 @@ import torch
 
 from pc_distributed import _torch_dist
 from pc_distributed._checks import positive_int, positive_seconds
+from pc_distributed.rpc._backend import choose_backend
 from pc_distributed._errors import (
     RankDiedError,
     add_note,
@@ -140,6 +141,7 @@ def run_world(
     dist_timeout: float = 60.0,
     rpc_timeout: float = 60.0,
     grace_period: float = _GRACE_S,
+    rpc_backend: str = "auto",
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` in a fresh local world of ``world_size`` processes; return the results by rank.
 
@@ -160,14 +162,16 @@ def run_world(
         dist_timeout: Each World's ``dist_timeout``.
         rpc_timeout: Each World's ``rpc_timeout``.
         grace_period: Seconds the other ranks get to finish after a rank failed, before they are killed.
+        rpc_backend: Each World's ``rpc_backend`` (``"tensorpipe"``, ``"c10d"``, ``"auto"``), resolved here
+            once so that every rank uses the same.
 
     Returns:
         ``[fn(0, *args), fn(1, *args), ...]``.
 
     Raises:
         TypeError: If ``fn`` is not picklable by reference or an argument has the wrong type.
-        ValueError: If an argument is out of range, or ``start_method="fork"`` with ``init_rpc`` where CUDA is
-            available (forked ranks cannot start TensorPipe's RPC there).
+        ValueError: If an argument is out of range, ``rpc_backend`` names no backend, or
+            ``start_method="fork"`` with TensorPipe's RPC where CUDA is available (forked ranks cannot start it).
         Exception: The first failing rank's exception, with its original type where it pickles (else a
             ``RuntimeError``), a note naming the rank and the remote traceback as ``__cause__``.
         RankDiedError: If a rank died (signal or ``os._exit``) before returning.
@@ -197,13 +201,15 @@ def run_world(
     grace_period = positive_seconds("grace_period", grace_period)
     if start_method not in mp.get_all_start_methods():
         raise ValueError(f"start_method must be one of {mp.get_all_start_methods()}, got {start_method!r}")
-    if start_method == "fork" and init_rpc and torch.cuda.is_available():
+    rpc_backend = choose_backend(rpc_backend)
+    if start_method == "fork" and init_rpc and rpc_backend == "tensorpipe" and torch.cuda.is_available():
         # TensorPipe's RPC agent opens CUDA channels whenever CUDA is present, and CUDA cannot start in a
         # child forked after the parent's driver was initialized (torch.cuda.is_available() does that): every
         # rank's init_rpc would fail with CUDA_ERROR_NOT_INITIALIZED. Refuse before anything starts.
         raise ValueError(
-            "start_method='fork' with init_rpc=True on a machine with CUDA: forked ranks cannot start RPC "
-            "there. Use start_method='spawn' (the default) or 'forkserver'"
+            "start_method='fork' with init_rpc=True on a machine with CUDA: forked ranks cannot start "
+            "TensorPipe's RPC there. Use start_method='spawn' (the default) or 'forkserver', or "
+            "rpc_backend='c10d'"
         )
     world_kwargs = {
         "dist_backend": backend,
@@ -211,6 +217,7 @@ def run_world(
         "init_rpc": bool(init_rpc),
         "dist_timeout": positive_seconds("dist_timeout", dist_timeout),
         "rpc_timeout": positive_seconds("rpc_timeout", rpc_timeout),
+        "rpc_backend": rpc_backend,
     }
     ctx: Any = mp.get_context(start_method)
     store = _torch_dist.master_store("127.0.0.1", 0, world_size, timeout)

@@ -10,8 +10,8 @@ so the World keeps three kinds of connection to it: ``store`` for short requests
 arrivals), ``waits`` (one connection per blocking wait, see ``_store_waits``) and one of the process group's
 own; no thread's wait ever stalls another thread's request.
 
-The World owns what lives as long as it does: its RPC backend (``rpc_backend``, the transport its RPC
-groups' calls travel on: ``rpc._tensorpipe``), its RPC groups, their tables of paired values and services
+The World owns what lives as long as it does: its RPC backend (``rpc_transport``, the transport its RPC
+groups' calls travel on: ``rpc._tensorpipe`` or ``rpc._c10d``, as ``rpc_backend`` chose), its RPC groups, their tables of paired values and services
 (:attr:`World.rpc_tables`, what incoming calls run on) and its collective groups. It hands itself to the
 groups at creation (they see it through the ``GroupHost`` protocol of ``_host`` and never import this
 module). Timeouts follow the package's convention (``_transport``): ``None`` is the World's default, ``-1``
@@ -36,7 +36,8 @@ from pc_distributed._store import StoreBarrier
 from pc_distributed._store_waits import WaitStores
 from pc_distributed._transport import resolve_timeout
 from pc_distributed.collective.group import CollectiveGroup, create_collective_group
-from pc_distributed.rpc._backend import RpcBackend
+from pc_distributed.rpc._backend import RpcBackend, choose_backend
+from pc_distributed.rpc._c10d import C10dBackend
 from pc_distributed.rpc._remote import ProcessTables
 from pc_distributed.rpc._tensorpipe import TensorPipeBackend
 from pc_distributed.rpc.group import RpcGroup, create_rpc_group
@@ -65,7 +66,7 @@ class World:
         rank: This process's rank (-1: from ``RANK``, else 0).
         world_size: Number of processes (-1: from ``WORLD_SIZE``, else 1).
         init_dist: Create the default torch.distributed process group (needed for collective groups).
-        init_rpc: Initialise torch.distributed.rpc (needed for RPC groups' calls).
+        init_rpc: Start the RPC backend (needed for RPC groups' calls).
         dist_backend: Backend of the process group (``"gloo"``, ``"nccl"``).
         dist_init_method: Init method URL of the store and process group (default
             ``tcp://MASTER_ADDR:MASTER_PORT``).
@@ -78,12 +79,18 @@ class World:
         interface: The network interface gloo and TensorPipe use (``GLOO_SOCKET_IFNAME`` and
             ``TP_SOCKET_IFNAME`` for the World's lifetime). Default: the variables as set, else loopback when
             ``addr`` is a loopback address.
+        rpc_backend: What RPC calls travel on: ``"tensorpipe"`` (``torch.distributed.rpc``), ``"c10d"`` (a
+            gloo process group per pair of members, pickled with pc-pickle; never calls ``init_rpc``) or
+            ``"auto"``: the ``PC_RPC_BACKEND`` environment variable if set, else ``"c10d"`` on a torch build
+            without RPC, else ``"tensorpipe"`` (docs/distributed.md, "RPC backends").
+        rpc_busy_poll: Let TensorPipe use its busy-polling transports (TensorPipe only).
 
     Raises:
         RuntimeError: If a World already exists in this process.
         TypeError: On arguments of the wrong type.
-        ValueError: On out-of-range arguments, duplicate member names, or a ``dist_backend`` that is not a
-            backend of this torch build (the message lists the ones it has).
+        ValueError: On out-of-range arguments, duplicate member names, a ``dist_backend`` that is not a
+            backend of this torch build (the message lists the ones it has), or an ``rpc_backend`` that names
+            none (or TensorPipe on a build without RPC).
         TimeoutError: If the rendezvous address is unreachable or silent, or the other ranks do not join,
             within ``dist_timeout``.
         OSError: If rank 0 cannot bind ``addr``.
@@ -111,6 +118,7 @@ class World:
         addr: str | None = None,
         interface: str | None = None,
         rpc_busy_poll: bool = False,
+        rpc_backend: str = "auto",
     ) -> None:
         self.name = check_name(name)
         self.dist_timeout = positive_seconds("dist_timeout", dist_timeout)
@@ -127,8 +135,9 @@ class World:
         self.init_dist = bool(init_dist)
         self.init_rpc = bool(init_rpc)
         self.rpc_busy_poll = bool(rpc_busy_poll)
-        # The transport of the RPC groups' calls (GroupHost.rpc_backend); set by _start when init_rpc.
-        self.rpc_backend: RpcBackend | None = None
+        self.rpc_backend = choose_backend(rpc_backend)
+        # The transport of the RPC groups' calls (GroupHost.rpc_transport); set by _start when init_rpc.
+        self.rpc_transport: RpcBackend | None = None
         self._rpc_groups: dict[str, RpcGroup] = {}
         self._rpc_tables = ProcessTables()
         self._rpc_instances: dict[str, int] = {}
@@ -158,8 +167,16 @@ class World:
                     pg_store, self.dist_backend, self.rank, self.world_size, self.dist_timeout
                 )
                 undo.append(_torch_dist.destroy_pg)
-            if self.init_rpc:
-                self.rpc_backend = TensorPipeBackend.start(
+            if self.init_rpc and self.rpc_backend == "c10d":
+                self.rpc_transport = C10dBackend.start(
+                    self._conn.link_store(self.dist_timeout),
+                    self._names,
+                    self.rank,
+                    self.rpc_timeout,
+                    self.dist_timeout,
+                )
+            elif self.init_rpc:
+                self.rpc_transport = TensorPipeBackend.start(
                     self.name,
                     self.rank,
                     self.world_size,
@@ -367,8 +384,8 @@ class World:
             groups = list(self._rpc_groups.values())
         try:
             graceful = self._leave_store(groups, timeout, graceful)
-            if self.rpc_backend is not None:
-                self.rpc_backend.shutdown(graceful, timeout)
+            if self.rpc_transport is not None:
+                self.rpc_transport.shutdown(graceful, timeout)
             if self.init_dist:
                 for cg in self._collective_groups:
                     cg._forget()

@@ -1,0 +1,117 @@
+"""The c10d RPC backend: the :class:`~._c10d_transport.C10dTransport` as a :class:`~._backend.RpcBackend`.
+
+It addresses members by name (the transport by rank) and is started by the World on links it makes through
+the World's store: a gloo process group per pair of members (:func:`pc_distributed._torch_dist.pair_link`),
+never ``torch.distributed.rpc``. Its remote values are :class:`~._c10d_transport.C10dRemoteRef`. Errors are
+already the RPC layer's (``TimeoutError``/``ConnectionError`` naming the member, ``TypeError`` for a payload
+that cannot be pickled), since the transport pickles with pc-pickle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pc_distributed import _torch_dist
+from pc_distributed._bounded import call_bounded
+from pc_distributed.rpc._c10d_transport import C10dRemoteRef, C10dTransport
+
+__all__ = ["C10dBackend"]
+
+
+class C10dBackend:
+    """RPC over a gloo link per pair of members, with pc-pickle (see :mod:`~._c10d_transport`).
+
+    Create it with :meth:`start`; each member of the World starts one.
+    """
+
+    name = "c10d"
+
+    def __init__(self, transport: C10dTransport) -> None:
+        self._transport = transport
+        self._rank_of = {name: rank for rank, name in enumerate(transport.names)}
+
+    @classmethod
+    def start(
+        cls,
+        store: Any,
+        names: list[str],
+        rank: int,
+        timeout: float,
+        link_timeout: float,
+    ) -> C10dBackend:
+        """Make the links to every other member on ``store`` and start the transport.
+
+        Every member calls it at the same time. The links are made in one global order of pairs, so no two
+        members wait on each other; all of them together must be made within ``link_timeout`` seconds.
+
+        Args:
+            store: A torch store scoped to this World (keys ``link/<a>-<b>/...``).
+            names: The members' names, by rank.
+            rank: This member's rank.
+            timeout: Default seconds of a call.
+            link_timeout: Seconds of the links' rendezvous and of every wait on them (gloo's timeout; a peer
+                silent this long is lost).
+
+        Raises:
+            TimeoutError: If a peer does not arrive in time.
+        """
+        others = [r for r in range(len(names)) if r != rank]
+
+        def make_links() -> dict[int, Any]:
+            return {other: _torch_dist.pair_link(store, rank, other, link_timeout) for other in others}
+
+        what = f"the c10d links of member {names[rank]!r} to {[names[r] for r in others]}"
+        try:
+            links = call_bounded(make_links, link_timeout, what) if others else {}
+        except RuntimeError as exc:  # gloo's own rendezvous timeout
+            raise TimeoutError(f"{what} were not made within {link_timeout:g} s: {exc}") from exc
+        return cls(C10dTransport(links, rank, names, timeout=timeout, link_timeout=link_timeout))
+
+    def _rank(self, to: str) -> int:
+        try:
+            return self._rank_of[to]
+        except KeyError:
+            raise ValueError(f"no member named {to!r}; members are {sorted(self._rank_of)}") from None
+
+    def call_sync(
+        self,
+        to: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        timeout: float,
+    ) -> Any:
+        """Run ``fn`` on ``to`` and return its value, within ``timeout`` seconds."""
+        return self._transport.call_sync(self._rank(to), fn, args, kwargs, timeout)
+
+    def call(
+        self,
+        to: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        timeout: float,
+    ) -> torch.futures.Future[Any]:
+        """Run ``fn`` on ``to``; a future of its value, completed within ``timeout`` seconds."""
+        return self._transport.call(self._rank(to), fn, args, kwargs, timeout)
+
+    def remote(
+        self,
+        to: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        timeout: float,
+    ) -> C10dRemoteRef:
+        """Run ``fn`` on ``to``, which keeps the value until the reference is released or collected."""
+        return self._transport.remote(self._rank(to), fn, args, kwargs, timeout)
+
+    def shutdown(self, graceful: bool, timeout: float) -> None:
+        """Say goodbye to every member within ``timeout`` (``graceful``: let calls in flight finish first)."""
+        self._transport.shutdown(timeout, drain=graceful)
+
+    def __repr__(self) -> str:
+        return f"C10dBackend(member={self._transport.names[self._transport.rank]!r})"

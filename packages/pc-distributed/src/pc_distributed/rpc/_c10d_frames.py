@@ -1,0 +1,247 @@
+"""The frames of the c10d transport: their layout, and posting and receiving them on a pair's process group.
+
+A frame is a fixed-size header, a uint8 tensor of :data:`HEADER_BYTES` sent with tag :data:`HEADER_TAG`,
+followed, for a payload too large to ride inside the header, by the payload as a uint8 tensor of its own with
+tag :data:`PAYLOAD_TAG`. The header starts with seven little-endian int64 words::
+
+    magic | kind | sender rank | call id | aux | payload bytes | payload inline (0 or 1) | inline payload ...
+
+A small call (a few hundred bytes pickled) is one message each way instead of two: a gloo message costs a
+notification round trip on top of its bytes, and a header of one kilobyte costs no more to move than one of
+fifty bytes. Frames travel on a process group of two members, one per pair of transport members (the
+transport's *link* to a peer), so the sender is known from the link it came on; the header still names the
+sender's transport rank, which the receiver checks.
+
+Every receive is posted with the exact size of the message it takes (gloo accepts a message shorter than the
+receive posted for it, but the transport does not rely on that: a header is always :data:`HEADER_BYTES`).
+
+Only host tensors are ever handed to gloo: its point-to-point ops read and write tensor memory from the host,
+and a CUDA tensor makes its I/O thread fail in a way that aborts the process (:func:`check_host_tensor`).
+Payloads are pickled bytes, so CUDA tensors inside them have already moved through host memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = [
+    "BYE",
+    "CALL",
+    "ERROR",
+    "FETCH",
+    "HEADER_BYTES",
+    "HEADER_TAG",
+    "KINDS",
+    "PAYLOAD_TAG",
+    "PING",
+    "RELEASE",
+    "REMOTE",
+    "REQUESTS",
+    "VALUE",
+    "Buffers",
+    "Header",
+    "check_host_tensor",
+    "payload_bytes",
+    "post_frame",
+    "receive_header",
+    "receive_payload",
+]
+
+# Tags of the two frame parts on a link (any values work; these are recognisable in traces).
+HEADER_TAG = 0x7C10
+PAYLOAD_TAG = 0x7C11
+HEADER_BYTES = 1024
+_MAGIC = 0x5043_C10D  # the first word: a frame of this transport, in this layout
+_WORDS = struct.Struct("<7q")
+INLINE_MAX = HEADER_BYTES - _WORDS.size  # the largest payload carried inside the header
+
+# Kinds. Requests carry a pickled (fn, args, kwargs), or nothing; replies carry the call id they answer.
+CALL = 1  # run fn, reply with its value
+REMOTE = 2  # run fn, keep its value on the receiver under (sender, call id), reply with an empty value
+FETCH = 3  # reply with the value kept under (sender, aux)
+RELEASE = 4  # one way: drop the value kept under (sender, aux)
+VALUE = 5  # reply: the pickled value (no payload: None)
+ERROR = 6  # reply: the pickled (exception, remote traceback text)
+PING = 7  # one way: keep-alive
+BYE = 8  # one way: the sender's last frame to the receiver
+KINDS = frozenset(range(CALL, BYE + 1))
+REQUESTS = frozenset((CALL, REMOTE, FETCH))
+
+
+class Header(NamedTuple):
+    """A received header: who sent what, and how many payload bytes follow (or came inline)."""
+
+    kind: int
+    src: int
+    call_id: int
+    aux: int
+    nbytes: int
+    inline: torch.Tensor | None  # the payload, when it rode inside the header
+
+
+def check_host_tensor(tensor: object, what: str) -> torch.Tensor:
+    """Check that ``tensor`` may be handed to a gloo point-to-point op and return it.
+
+    gloo's point-to-point ops read and write the tensor's memory from the host; handed a CUDA tensor, gloo's
+    I/O thread fails (``writev ... Bad address``) and the exception aborts the process. This check refuses
+    such a tensor before it gets there; carry CUDA tensors inside a pickled payload instead.
+
+    Args:
+        tensor: The tensor about to be sent or received.
+        what: Names it in the error.
+
+    Returns:
+        ``tensor``.
+
+    Raises:
+        TypeError: If it is not a tensor.
+        ValueError: If it is not a contiguous tensor in host memory.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"{what} must be a tensor in host memory, got one on {tensor.device}: gloo's point-to-point ops "
+            "cannot carry it (the process would abort); send it inside a pickled payload, which moves it "
+            "through host memory"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} must be contiguous")
+    return tensor
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    """A uint8 tensor over the bytes of ``data`` without copying them (the caller keeps ``data`` alive).
+
+    ``torch.frombuffer`` warns once per process about a read-only buffer such as ``bytes``; gloo only reads a
+    tensor it sends, so the tensor is made over a writable ctypes view of the same memory instead (a
+    ``c_char_p`` made from ``bytes`` points at the object's own buffer).
+    """
+    address = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+    view = (ctypes.c_char * len(data)).from_address(address or 0)
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _posted(work: Any) -> Any:
+    """The ``Work`` of a point-to-point op of a link (a process group's ``send``/``recv`` always give one)."""
+    if work is None:  # pragma: no cover - ProcessGroup.send/recv return a Work or raise
+        raise RuntimeError("torch.distributed posted no operation")
+    return work
+
+
+def post_frame(
+    group: Any, dst: int, kind: int, src: int, call_id: int, aux: int, data: bytes | None
+) -> list[Any]:
+    """Post the sends of one frame to rank ``dst`` of the link ``group``; their ``Work`` objects, not waited for.
+
+    ``src`` is this member's rank in the transport (written into the header).
+
+    The caller keeps ``data`` and the returned works alive until every work is waited for: a dropped work's
+    send is never performed. Frames posted to one peer arrive in the order they were posted.
+
+    Raises:
+        RuntimeError: torch's error if the pair to ``dst`` is closed (its process died) or the group broke.
+    """
+    nbytes = 0 if data is None else len(data)
+    inline = data is not None and nbytes <= INLINE_MAX
+    header = bytearray(HEADER_BYTES)
+    _WORDS.pack_into(header, 0, _MAGIC, kind, src, call_id, aux, nbytes, int(inline))
+    if inline and data:
+        header[_WORDS.size : _WORDS.size + nbytes] = data
+    frame = check_host_tensor(torch.frombuffer(header, dtype=torch.uint8), "a frame header")
+    works = [_posted(group.send([frame], dst, HEADER_TAG))]
+    if data is not None and not inline:
+        payload = check_host_tensor(_bytes_tensor(data), "a frame payload")
+        works.append(_posted(group.send([payload], dst, PAYLOAD_TAG)))
+    return works
+
+
+def receive_header(group: Any, src: int) -> Header | str:
+    """Receive the next header from rank ``src`` of the link ``group``.
+
+    Blocks; gloo bounds the wait by the link's timeout. The receive is announced to the peer as soon as it is
+    posted, so a send that comes later goes out at once (one message), and it fails as soon as the peer's
+    connection closes (its process died).
+
+    Returns:
+        The header, or a description of the bytes when they are not a header of this layout.
+
+    Raises:
+        RuntimeError: torch's error if the receive failed (the peer is gone, the link's timeout ran out).
+    """
+    frame = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+    _posted(group.recv([frame], src, HEADER_TAG)).wait()
+    magic, kind, src, call_id, aux, nbytes, inline = _WORDS.unpack_from(memoryview(frame.numpy()))  # type: ignore[arg-type]
+    if magic != _MAGIC or kind not in KINDS or nbytes < 0 or (inline and nbytes > INLINE_MAX):
+        return f"not a frame header: {[magic, kind, src, call_id, aux, nbytes, inline]}"
+    body = frame[_WORDS.size : _WORDS.size + nbytes] if inline else None
+    return Header(kind, src, call_id, aux, nbytes, body)
+
+
+def receive_payload(group: Any, src: int, nbytes: int, buffers: Buffers) -> torch.Tensor:
+    """Receive the ``nbytes`` payload that follows a header from rank ``src`` of the link (blocks, as above).
+
+    The payload lands in a buffer of ``buffers``; give it back once it is read.
+
+    Raises:
+        RuntimeError: torch's error if ``src`` died before sending it all, or the group broke.
+    """
+    payload = buffers.take(nbytes)
+    try:
+        _posted(group.recv([payload], src, PAYLOAD_TAG)).wait()
+    except BaseException:
+        buffers.give(payload)
+        raise
+    return payload
+
+
+class Buffers:
+    """Receive buffers for large payloads, kept for reuse up to ``keep_bytes`` in all.
+
+    A fresh buffer of megabytes costs a page fault per page on its first write, which costs more than
+    receiving into it; a payload's buffer is free again once its bytes are unpickled (unpickling copies
+    them), so the next large payload reuses it.
+    """
+
+    def __init__(self, keep_bytes: int = 64 << 20, min_bytes: int = 64 << 10) -> None:
+        self._keep_bytes = keep_bytes
+        self._min_bytes = min_bytes
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}  # data pointer of a lent view -> its buffer
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` (a view of a kept buffer when one fits, else a new one)."""
+        if nbytes < self._min_bytes:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        with self._lock:
+            fits = [b for b in self._free if nbytes <= b.numel() <= 2 * nbytes]
+            if fits:
+                buffer = min(fits, key=lambda b: b.numel())
+                self._free.remove(buffer)
+            else:
+                buffer = torch.empty(nbytes, dtype=torch.uint8)
+            view = buffer[:nbytes]
+            self._lent[view.data_ptr()] = buffer
+            return view
+
+    def give(self, payload: torch.Tensor) -> None:
+        """Take back a payload from :meth:`take` once nothing reads it any more (others are ignored)."""
+        with self._lock:
+            buffer = self._lent.pop(payload.data_ptr(), None)
+            if buffer is None:
+                return
+            self._free.append(buffer)
+            self._free.sort(key=lambda b: -b.numel())
+            while sum(b.numel() for b in self._free) > self._keep_bytes:
+                self._free.pop(0)  # the largest goes first
+
+
+def payload_bytes(payload: torch.Tensor) -> memoryview:
+    """The bytes of a received payload, without a copy."""
+    return memoryview(payload.numpy())  # type: ignore[arg-type]

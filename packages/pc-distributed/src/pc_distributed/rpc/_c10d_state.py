@@ -1,0 +1,135 @@
+"""The C10d transport's bookkeeping: a request in flight, what a member knows of a peer, the handler threads.
+
+Kept apart from :mod:`pc_distributed.rpc._c10d_transport`, which holds the protocol (frames, sends, the
+receiver, shutdown), so that the protocol reads without the plumbing it moves through.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future as _Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["STOP", "Peer", "PendingCall", "Workers"]
+
+logger = logging.getLogger(__name__)
+
+STOP = object()
+"""The sentinel that ends a queue-fed thread (a worker, a lane, the housekeeper)."""
+
+
+class Workers:
+    """Up to ``size`` daemon threads running submitted callables, started when needed.
+
+    Each submitted callable either claims an idle thread or starts a new one (up to ``size``), so a callable
+    never waits behind a running one while fewer than ``size`` run. Daemon threads: a handler that never
+    returns must not keep the interpreter from exiting.
+    """
+
+    def __init__(self, size: int, name: str) -> None:
+        self._size = size
+        self._name = name
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._stopped = False
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on an idle thread, or on a new one while fewer than ``size`` run (else it queues).
+
+        Raises:
+            RuntimeError: The pool is stopped.
+        """
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"{self._name} is stopped")
+            if self._idle > 0:
+                self._idle -= 1
+            elif len(self._threads) < self._size:
+                thread = threading.Thread(
+                    target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+            self._queue.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()  # woken by a callable or by stop()'s sentinel
+            if fn is STOP:
+                return
+            try:
+                fn()
+            except Exception:  # pragma: no cover - the submitted callables catch their own errors
+                logger.exception("%s: an internal task failed", self._name)
+            with self._lock:
+                self._idle += 1
+
+    def stop(self, deadline: float) -> list[str]:
+        """End the threads after their current callable; the names of those still running at ``deadline``."""
+        with self._lock:
+            self._stopped = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._queue.put(STOP)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in threads if t.is_alive()]
+
+
+@dataclass(eq=False)
+class PendingCall:
+    """A request sent and not answered yet: the future gets ``(reply kind, payload or None)`` or an error."""
+
+    peer: int
+    call_id: int
+    deadline: float
+    timeout: float
+    what: str
+    future: _Future[tuple[int, torch.Tensor | None]] = field(default_factory=_Future)
+    decoded: tuple[int, Any] | None = None  # (reply kind, unpickled payload), once read
+    sent: tuple[list[Any], bytes | None] | None = None  # the request's posted works and bytes, until answered
+    decode_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, exc: BaseException) -> None:
+        """Complete with ``exc`` (by whoever removed the call from the pending table, under its lock)."""
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+    def answer(self, kind: int, payload: torch.Tensor | None) -> None:
+        """Complete with a reply (same rule as :meth:`fail`)."""
+        if not self.future.done():
+            self.future.set_result((kind, payload))
+
+
+@dataclass(eq=False)
+class Peer:
+    """What this member knows about another: its lane, and whether frames may still go or come."""
+
+    rank: int
+    name: str
+    link: Any  # the pair's process group
+    link_rank: int  # the peer's rank in it
+    post_lock: threading.Lock = field(default_factory=threading.Lock)  # frames are posted one at a time
+    lane: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)  # sends the lane waits for
+    lane_thread: threading.Thread | None = None
+    receiver: threading.Thread | None = None
+    receiver_done: threading.Event = field(default_factory=threading.Event)
+    said_bye: bool = False  # our goodbye is posted: nothing more goes to it (set under post_lock)
+    heard_bye: bool = False  # its goodbye arrived: nothing more comes from it
+    lost: str | None = None  # why it is unreachable, once it is
+    last_sent: float = 0.0
+    last_heard: float = 0.0
+
+    @property
+    def gone(self) -> bool:
+        """Whether nothing more can come from it (it said goodbye, or it is lost)."""
+        return self.heard_bye or self.lost is not None

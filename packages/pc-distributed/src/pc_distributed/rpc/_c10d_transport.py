@@ -1,0 +1,936 @@
+r"""An RPC transport over torch.distributed process groups: calls, replies and remote values as frames.
+
+One :class:`C10dTransport` per process carries calls between the members of a World with nothing but the
+public point-to-point ops of gloo process groups (``ProcessGroup.send``/``recv``); it never touches
+``torch.distributed.rpc``. Each pair of members has a *link*, a gloo process group of its own two members
+(:func:`pc_distributed._torch_dist.pair_link`). Requests ``(fn, args, kwargs)``, results and exceptions are
+pickled with pc-pickle, so lambdas and closures travel, and CUDA tensors travel by value through host memory
+(gloo's point-to-point ops abort the process on a CUDA tensor, so only host tensors are ever handed to them:
+:func:`check_host_tensor`).
+
+Data flow (one process; ``~~`` is a link's point-to-point ops, ``>>`` a queue)::
+
+    caller thread -- pickle, pending[call id] = future -- post frame ~~send~~> peer's receiver for us
+                                 ^                                                                 |
+                                 | reply (value / error)                                     workers: handler
+    receiver thread for peer p <~~recv from p~~ frames of p <~~ reply posted by one of p's workers --'
+         | request >> workers: handler(fn, args, kwargs), reply posted to the caller
+    housekeeper: keep-alive pings, call deadlines, releases of garbage-collected remote references
+
+**Frames** (:mod:`pc_distributed.rpc._c10d_frames`): a fixed-size header with the kind, the sender, the call
+id and the payload length, then the payload bytes as a uint8 tensor of its own (small payloads ride inside the
+header). The thread that sends a frame (a caller, a worker with a reply) posts its sends itself, one frame at a
+time per peer (a lock), so a header and its payload are adjacent on the link and a peer's frames arrive in the
+order they were posted. A posted send must stay alive until gloo has made it (a dropped ``Work`` is a send
+never made), and posting does not wait for the peer: a request's sends stay with its call until the reply,
+which proves they were made (they are then dropped without a wait: no thread wakes for them); a worker waits
+for its reply's sends itself; keep-alives, releases, goodbyes and the sends of calls that end without a reply
+go to the peer's *lane*, a thread that waits for them in order. No caller is blocked by a slow or stalled peer.
+
+**The receivers.** One thread per peer receives that peer's next header on their link, then, for a large
+payload, the payload, and hands the frame on: requests to a small pool of worker threads that run the handler
+(never a receiver, so a handler may call back into its caller), replies to the waiting call. Nothing polls:
+every thread sleeps in a blocking wait that a frame, a queued item or a deadline ends. A receive posted for one
+given peer is announced to it at once, so a frame costs one message, not a notification round trip more.
+
+**Why a link per pair** (gloo's ``transport/tcp/unbound_buffer.cc``, ``context.cc``, ``pair.cc``; torch's
+``ProcessGroupGloo.cpp``): a failure in gloo is a failure of a whole group.
+
+- ``Work.wait()`` without a timeout is bounded by the group's timeout (gloo's context timeout), and a wait that
+  runs out does not just give up: gloo closes every pair of the group ("Application timeout caused pair
+  closure"). With one group for all members, one stalled peer would break the calls between all the others.
+  On a link, it breaks that link only: the stalled peer is lost, nobody else is.
+- A receive from any source (one group for everyone, one receiver thread) is not ended by a peer's death, and
+  on some torch releases a peer's death fails it (seen on torch 2.15: "Connection closed by peer" of the dead
+  member in a survivor's any-source receive), which would again fail every peer. A receive on a link ends when
+  that peer's connection closes, and fails only that peer.
+- ``Work.abort`` is not exposed to Python and ``Work.get_future`` is not implemented for gloo's
+  point-to-point ops, so a receive ends only by a frame, a closed connection or the link's timeout. This
+  transport never passes a timeout to ``wait`` and sends each peer a keep-alive ping when it has sent it nothing
+  for a quarter of ``link_timeout``, so a receive from a live peer always ends by a frame in time.
+- Dropping a ``Work`` whose operation is still posted is memory-safe in gloo (it holds weak references to the
+  buffer), but a send whose ``Work`` is dropped is never performed and the peer would wait for it; so every
+  posted send is waited for, or proven made by the reply to it, before its ``Work`` is dropped.
+
+The cost is a gloo device (one event-loop thread) and a receiver thread per peer in each process, and
+``n * (n - 1) / 2`` rendezvous at start: fine for the tens of members RPC groups have, not for thousands.
+
+**Shutdown** (:meth:`C10dTransport.shutdown`) is a goodbye protocol. New calls are refused; calls in flight and
+running handlers get half the time to finish; then a goodbye frame, the last frame to that peer, goes to every
+peer not known to be gone. A member receiving a goodbye fails the calls it has pending on the sender
+(``ConnectionError``), answers with its own goodbye unless it has sent one, and sends nothing more to it. A
+receiver ends once its peer said goodbye or is lost; the lanes, the workers and the housekeeper end on a
+sentinel, after what was queued before it; calls still pending fail with ``ConnectionError``. Peers that shut
+down at the same time exchange one goodbye each way.
+
+**A dead peer.** Its connection closes as soon as its process is gone: the receive from it and any send to it
+fail at once, which marks it lost and fails every call pending on it with ``ConnectionError`` naming it. A peer
+that dies mid-frame (header sent, payload not) fails the payload receive the same way. Nothing else is
+affected. Shutdown with a dead peer: its goodbye is skipped (it is lost) or fails at once, so shutdown stays
+bounded.
+
+**A stalled peer** (alive, not reading: SIGSTOP, a partition): calls to it fail at their own deadline with
+``TimeoutError`` naming it; a send to it stays posted in gloo, waited for by its lane; the receive from it runs
+out after ``link_timeout``, which closes that link and marks the peer lost, as does the housekeeper when it has
+heard nothing from it for ``link_timeout``. A lost peer stays lost for the transport's lifetime.
+
+Trust: payloads are pickles, so a process that can join the links (reach the store) can make members run code.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from concurrent.futures import TimeoutError as _FutureTimeout
+from typing import Any
+
+import torch
+
+import pc_pickle
+from pc_distributed._checks import int_in_range, optional_timeout, positive_int, positive_seconds
+from pc_distributed._errors import format_exception, portable_exception, reraise_remote
+from pc_distributed.rpc._c10d_frames import (
+    BYE,
+    CALL,
+    ERROR,
+    FETCH,
+    HEADER_TAG,
+    PAYLOAD_TAG,
+    PING,
+    RELEASE,
+    REMOTE,
+    REQUESTS,
+    VALUE,
+    Buffers,
+    check_host_tensor,
+    payload_bytes,
+    post_frame,
+    receive_header,
+    receive_payload,
+)
+from pc_distributed.rpc._c10d_state import STOP, Peer, PendingCall, Workers
+
+__all__ = [
+    "HEADER_TAG",
+    "PAYLOAD_TAG",
+    "C10dRemoteRef",
+    "C10dTransport",
+    "check_host_tensor",
+    "default_handler",
+]  # the tags and the host-tensor guard are the frames module's, re-exported for the transport's users
+
+logger = logging.getLogger(__name__)
+
+
+def default_handler(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run a request as it came: ``fn(*args, **kwargs)``.
+
+    The World gives its own handler (service and function dispatch); this one serves plain function calls.
+    """
+    return fn(*args, **kwargs)
+
+
+def _dumps(obj: Any, what: str) -> bytes:
+    """Pickle ``obj`` with pc-pickle (tensors copied; CUDA tensors move through host memory).
+
+    Raises:
+        TypeError: If something in ``obj`` cannot be pickled (the message starts with its access path).
+    """
+    try:
+        return pc_pickle.dumps(obj)
+    except pc_pickle.UnpicklableObjectError as exc:
+        raise TypeError(f"{what} cannot be pickled: {exc}") from exc
+
+
+class C10dTransport:
+    """Calls between the members of a World over a gloo link per pair of members (no torch RPC).
+
+    Every member creates one, after its links exist (the caller makes them with
+    :func:`pc_distributed._torch_dist.pair_link`; the transport never initialises torch.distributed). See the
+    module docstring for the protocol and what holds when a peer dies or stalls.
+
+    Args:
+        links: The link to each other member, by that member's rank: a gloo process group of the two, in which
+            the member with the lower rank is rank 0 (no other traffic may use the tags :data:`HEADER_TAG` and
+            :data:`PAYLOAD_TAG` on it).
+        rank: This process's rank among the members.
+        names: The members' names, by rank (used in errors).
+        handler: Runs a request: ``handler(fn, args, kwargs)`` returns the value to send back or raises.
+            Called on a worker thread, never a receiver.
+        timeout: Default seconds of a call (its reply included).
+        link_timeout: The timeout the links were created with, in seconds: gloo bounds every receive by it and
+            closes the link when one runs out, so keep-alives go to every peer within a quarter of it.
+        workers: The most handler threads running at once.
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If ``links`` does not hold one two-member link to each other member with this process at
+            the right rank, or ``names`` does not name each member once.
+
+    Examples:
+        >>> links = {1: pair_link(store, 0, 1, 30)}  # on member 1: {0: pair_link(store, 1, 0, 30)}
+        >>> t = C10dTransport(links, 0, ["a", "b"], link_timeout=30)
+        >>> t.call_sync(1, lambda x: x + 1, (41,))  # doctest: +SKIP
+        42
+    """
+
+    def __init__(
+        self,
+        links: Mapping[int, Any],
+        rank: int,
+        names: list[str] | tuple[str, ...],
+        handler: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] = default_handler,
+        *,
+        timeout: float = 60.0,
+        link_timeout: float,
+        workers: int = 8,
+    ) -> None:
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"names must be a list of str, got {names!r}")
+        size = len(names)
+        if len(set(names)) != size:
+            raise ValueError(f"names must name each member once, got {list(names)!r}")
+        rank = int_in_range("rank", rank, size)
+        if not isinstance(links, Mapping):
+            raise TypeError(f"links must be a mapping of rank to process group, got {type(links).__name__}")
+        if set(links) != set(range(size)) - {rank}:
+            raise ValueError(
+                f"links must hold one link to each other member ({sorted(set(range(size)) - {rank})}), "
+                f"got one to {sorted(links)}"
+            )
+        for other, link in links.items():
+            _check_link(link, rank, other)
+        if not callable(handler):
+            raise TypeError(f"handler must be callable, got {type(handler).__name__}")
+        self._timeout = positive_seconds("timeout", timeout)
+        self._link_timeout = positive_seconds("link_timeout", link_timeout)
+        workers = positive_int("workers", workers)
+        self._rank = rank
+        self._names = tuple(names)
+        self._handler = handler
+        self._keepalive = self._link_timeout / 4
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when calls or handlers finish
+        now = time.monotonic()
+        self._peers = {
+            r: Peer(r, names[r], link, int(r > rank), last_sent=now, last_heard=now)
+            for r, link in sorted(links.items())
+        }
+        self._ids = itertools.count(1)
+        self._pending: dict[int, PendingCall] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._owned: dict[tuple[int, int], Any] = {}  # (creator, call id) -> value kept for a remote ref
+        self._creating: set[tuple[int, int]] = set()  # remote calls running, whose value is not kept yet
+        self._released_early: set[tuple[int, int]] = set()
+        self._handlers_running = 0
+        self._state = "running"  # -> "stopping" -> "stopped"
+        self._workers = Workers(workers, f"pc-c10d-worker-{rank}")
+        self._completions = Workers(2, f"pc-c10d-done-{rank}")
+        self._chores: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._buffers = Buffers()
+        for peer in self._peers.values():
+            peer.lane_thread = threading.Thread(
+                target=self._lane_loop, args=(peer,), name=f"pc-c10d-lane-{rank}-{peer.rank}", daemon=True
+            )
+            peer.lane_thread.start()
+            peer.receiver = threading.Thread(
+                target=self._receive_loop, args=(peer,), name=f"pc-c10d-recv-{rank}-{peer.rank}", daemon=True
+            )
+            peer.receiver.start()
+        self._housekeeper = threading.Thread(
+            target=self._housekeep, name=f"pc-c10d-housekeeper-{rank}", daemon=True
+        )
+        self._housekeeper.start()
+
+    # -- public API ----------------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._rank
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The members' names, by rank."""
+        return self._names
+
+    @property
+    def is_running(self) -> bool:
+        """Whether calls are accepted (False once :meth:`shutdown` began)."""
+        return self._state == "running"
+
+    def call(
+        self,
+        to_rank: int,
+        fn: Any,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> torch.futures.Future[Any]:
+        """Run ``fn(*args, **kwargs)`` (through the handler) on member ``to_rank``; a future of its value.
+
+        The future completes with the value, or with the remote exception (original type, the remote
+        traceback as ``__cause__``), ``TimeoutError`` after ``timeout`` or ``ConnectionError`` if the member
+        is lost or shuts down, both naming it. Its callbacks run on a transport thread: they must not wait
+        for another call's future.
+
+        Args:
+            to_rank: The member's rank in the group (this process's own rank runs the call here, on a worker,
+                on a copy of the arguments).
+            fn: What to run (pickled with pc-pickle: lambdas and closures work).
+            args: Positional arguments.
+            kwargs: Keyword arguments.
+            timeout: Seconds until the reply (None or -1: the transport's default).
+
+        Raises:
+            TypeError: If the request cannot be pickled (nothing is sent), or an argument has the wrong type.
+            ValueError: If ``to_rank`` is not a rank of the group.
+            ConnectionError: If the member is already known to be lost or gone.
+            RuntimeError: If the transport is shut down.
+        """
+        pending = self._start(to_rank, CALL, fn, args, kwargs, timeout, "call")
+        out: torch.futures.Future[Any] = torch.futures.Future()
+
+        def finish() -> None:
+            try:
+                value = self._outcome(pending)
+            except BaseException as exc:
+                out.set_exception(exc)
+            else:
+                out.set_result(value)
+
+        def done(_: object) -> None:
+            try:
+                self._completions.submit(finish)
+            except RuntimeError:  # shut down: complete it here
+                finish()
+
+        pending.future.add_done_callback(done)
+        return out
+
+    def call_sync(
+        self,
+        to_rank: int,
+        fn: Any,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """:meth:`call` and wait for the value (see there for arguments and errors)."""
+        pending = self._start(to_rank, CALL, fn, args, kwargs, timeout, "call")
+        return self._wait(pending)
+
+    def remote(
+        self,
+        to_rank: int,
+        fn: Any,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> C10dRemoteRef:
+        """Run ``fn`` on member ``to_rank`` and keep its value there; a reference to it, returned at once.
+
+        The owner holds the value until the reference is released (:meth:`C10dRemoteRef.release`, or when the
+        last Python reference to it is garbage-collected). ``timeout`` bounds the creation; errors of the
+        creation surface at :meth:`C10dRemoteRef.to_here` and :meth:`C10dRemoteRef.wait_created`.
+
+        Raises:
+            TypeError: If the request cannot be pickled (nothing is sent).
+            ValueError: If ``to_rank`` is not a rank of the group.
+            ConnectionError: If the member is already known to be lost or gone.
+            RuntimeError: If the transport is shut down.
+        """
+        pending = self._start(to_rank, REMOTE, fn, args, kwargs, timeout, "remote")
+        return C10dRemoteRef(self, to_rank, pending.call_id, pending)
+
+    def shutdown(self, timeout: float | None = None, drain: bool = True) -> None:
+        """Stop gracefully within ``timeout`` seconds (None or -1: the transport's default); idempotent.
+
+        Refuses new calls, gives the calls in flight and the handlers running half the time to finish (none
+        with ``drain`` False: they fail with ``ConnectionError``), says goodbye to every peer, waits for their goodbyes (a peer that died is skipped: the send to it fails at
+        once), then fails whatever is still pending with ``ConnectionError`` and ends the threads.
+        Returns by the deadline even if a peer died or a handler never returns (such a thread is a daemon and
+        is logged); the process group itself is the caller's to destroy, after this.
+        """
+        seconds = optional_timeout("timeout", timeout)
+        deadline = time.monotonic() + (self._timeout if seconds is None else seconds)
+        with self._lock:
+            if self._state != "running":
+                return
+            self._state = "stopping"
+            # calls in flight and handlers running get half the time; the goodbyes get the rest
+            drained = time.monotonic() + (deadline - time.monotonic()) / 2 if drain else 0.0
+            while (self._pending or self._handlers_running) and self._idle.wait(
+                max(0.0, drained - time.monotonic())
+            ):
+                pass
+            byes = [p for p in self._peers.values() if not p.said_bye and p.lost is None]
+        for peer in byes:
+            self._send(peer.rank, BYE, 0)
+        for peer in self._peers.values():
+            peer.receiver_done.wait(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._state = "stopped"
+            leftovers = list(self._pending.values())
+            self._pending.clear()
+            for call in leftovers:
+                self._orphan_locked(call)
+            peers = list(self._peers.values())
+        for call in leftovers:
+            call.fail(
+                ConnectionError(f"{call.what} to {self._who(call.peer)} failed: this member shut down first")
+            )
+        for peer in peers:
+            peer.lane.put(STOP)  # after the frames before it: a lane ends once they are sent
+        self._chores.put(STOP)
+        stuck = self._workers.stop(deadline) + self._completions.stop(deadline)
+        for peer in peers:
+            for thread in (peer.lane_thread, peer.receiver):
+                if thread is not None:
+                    thread.join(max(0.0, deadline - time.monotonic()))
+                    if thread.is_alive():
+                        stuck.append(thread.name)
+        self._housekeeper.join(max(0.0, deadline - time.monotonic()))
+        if stuck:
+            logger.warning(
+                "c10d transport of %s shut down with threads still running (a receiver waits in gloo until "
+                "its peer's goodbye, its connection closing or the link's timeout, %g s): %s",
+                self._who(self._rank),
+                self._link_timeout,
+                stuck,
+            )
+
+    # -- calls -----------------------------------------------------------------------------------------------
+
+    def _who(self, rank: int) -> str:
+        return f"member {self._names[rank]!r} (rank {rank})"
+
+    def _start(
+        self,
+        to_rank: int,
+        kind: int,
+        fn: Any,
+        args: Any,
+        kwargs: Any,
+        timeout: float | None,
+        what: str,
+    ) -> PendingCall:
+        to_rank = int_in_range("to_rank", to_rank, len(self._names))
+        seconds = optional_timeout("timeout", timeout)
+        seconds = self._timeout if seconds is None else seconds
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
+        self._check_reachable(to_rank)
+        data = _dumps((fn, tuple(args), dict(kwargs or {})), f"the {what} to {self._who(to_rank)}")
+        return self._register_and_send(to_rank, kind, data, seconds, what, aux=0)
+
+    def _check_reachable(self, to_rank: int) -> None:
+        if self._state != "running":
+            raise RuntimeError("the c10d transport is shut down")
+        peer = self._peers.get(to_rank)
+        if peer is not None and peer.lost is not None:
+            raise ConnectionError(f"{self._who(to_rank)} is unreachable: {peer.lost}")
+        if peer is not None and (peer.heard_bye or peer.said_bye):
+            raise ConnectionError(f"{self._who(to_rank)} has shut down")
+
+    def _register_and_send(
+        self, to_rank: int, kind: int, data: bytes | None, seconds: float, what: str, aux: int
+    ) -> PendingCall:
+        call_id = next(self._ids)
+        pending = PendingCall(to_rank, call_id, time.monotonic() + seconds, seconds, what)
+        with self._lock:
+            self._pending[call_id] = pending
+            first = not self._deadlines or pending.deadline < self._deadlines[0][0]
+            heapq.heappush(self._deadlines, (pending.deadline, call_id))
+        if first:
+            self._chores.put(None)  # the housekeeper's next wake-up moves earlier
+        self._send(to_rank, kind, call_id, data, aux, pending)
+        return pending
+
+    def _wait(self, pending: PendingCall) -> Any:
+        try:
+            pending.future.result(max(0.0, pending.deadline - time.monotonic()))
+        except _FutureTimeout:
+            self._expire(pending)
+        return self._outcome(pending)
+
+    def _expire(self, pending: PendingCall) -> None:
+        with self._lock:
+            if self._pending.pop(pending.call_id, None) is None:
+                return  # answered or failed meanwhile, under this lock: its future is complete
+            self._orphan_locked(pending)
+            pending.fail(
+                TimeoutError(
+                    f"{pending.what} to {self._who(pending.peer)} timed out after {pending.timeout:g} s"
+                )
+            )
+            self._idle.notify_all()
+
+    def _outcome(self, pending: PendingCall) -> Any:
+        """The value of an answered call, or its remote exception raised (read once, then kept)."""
+        with pending.decode_lock:
+            if pending.decoded is None:
+                kind, payload = pending.future.result(0)
+                obj: Any = None
+                if payload is not None:
+                    try:
+                        obj = pc_pickle.loads(payload_bytes(payload))
+                    finally:
+                        self._buffers.give(payload)  # the bytes are unpickled: the buffer may be reused
+                pending.decoded = (kind, obj)
+            kind, obj = pending.decoded
+        if kind == ERROR:
+            exc, text = obj
+            raise reraise_remote(exc, text, self._who(pending.peer))
+        return obj
+
+    def _fetch(self, owner: int, ref_id: int, timeout: float | None) -> Any:
+        seconds = optional_timeout("timeout", timeout)
+        self._check_reachable(owner)
+        pending = self._register_and_send(
+            owner, FETCH, None, self._timeout if seconds is None else seconds, "to_here", aux=ref_id
+        )
+        return self._wait(pending)
+
+    def _release(self, owner: int, ref_id: int) -> None:
+        """Tell ``owner`` to drop the value kept for our remote call ``ref_id`` (quietly if it is gone)."""
+        if self._state == "stopped":
+            return
+        if owner == self._rank:
+            self._drop_owned((self._rank, ref_id))
+            return
+        self._send(owner, RELEASE, 0, None, ref_id)
+
+    # -- sending ---------------------------------------------------------------------------------------------
+
+    def _send(
+        self,
+        to_rank: int,
+        kind: int,
+        call_id: int,
+        data: bytes | None = None,
+        aux: int = 0,
+        request: PendingCall | None = None,
+    ) -> None:
+        """Post a frame to ``to_rank`` from this thread (or deliver it here), then see its sends through.
+
+        Posting does not wait for the peer. Who waits for the sends (a dropped ``Work`` is a send never
+        made): a request's works stay with its call until the reply, which proves they were sent (then they
+        are dropped, no wait), or go to the peer's lane if the call fails first; a reply is waited for here,
+        by the worker that made it (bounded by the group's timeout); other frames go to the lane. A frame
+        that cannot go is dropped, and a dropped request fails its call with ``ConnectionError``.
+        """
+        if to_rank == self._rank:
+            payload = None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            self._on_frame(self._rank, kind, call_id, aux, payload)
+            return
+        peer = self._peers[to_rank]
+        failed: str | None = None
+        works: list[Any] = []
+        with peer.post_lock:
+            if peer.said_bye or peer.lost is not None:
+                failed = peer.lost or "this member said goodbye to it"
+            else:
+                try:
+                    works = post_frame(peer.link, peer.link_rank, kind, self._rank, call_id, aux, data)
+                except RuntimeError as exc:
+                    failed = f"a send to it failed ({exc})"
+                else:
+                    peer.last_sent = time.monotonic()
+                    peer.said_bye = kind == BYE
+                    if request is not None:
+                        with self._lock:
+                            if self._pending.get(call_id) is request:
+                                request.sent = (works, data)
+                            elif not request.future.done() or request.future.exception() is not None:
+                                peer.lane.put((works, data, False))  # failed meanwhile: the lane waits
+                    elif kind not in (VALUE, ERROR):
+                        peer.lane.put((works, data, kind == BYE))
+        if failed is None and kind in (VALUE, ERROR):
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as exc:
+                failed = f"a send to it failed ({exc})"
+        if failed is not None:
+            if failed.startswith("a send"):
+                self._lose(to_rank, failed)
+            if request is not None:
+                with self._lock:
+                    if self._pending.get(call_id) is request:
+                        self._fail_calls_locked([request], failed, to_rank)
+
+    def _orphan_locked(self, pending: PendingCall) -> None:
+        """Hand the sends of a call that ends without a reply to its peer's lane, which waits for them."""
+        if pending.sent is not None:
+            peer = self._peers.get(pending.peer)
+            if peer is not None:
+                peer.lane.put((*pending.sent, False))
+            pending.sent = None
+
+    def _lane_loop(self, peer: Peer) -> None:
+        """Wait, in order, for the sends posted to ``peer``, until its goodbye is sent or a sentinel comes.
+
+        Each wait is bounded by the group's timeout (gloo's); a send that fails marks the peer lost.
+        """
+        while True:
+            item = peer.lane.get()  # woken by a posted frame or by the sentinel of shutdown / loss
+            if item is STOP:
+                return
+            works, _data, last = item  # _data: the payload's bytes, alive until its send is done
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as exc:
+                self._lose(peer.rank, f"a send to it failed ({exc})")
+                return
+            del works, _data, item
+            if last:
+                return
+
+    # -- receiving -------------------------------------------------------------------------------------------
+
+    def _receive_loop(self, peer: Peer) -> None:
+        """The receiver of ``peer``'s frames, one at a time on its link, until it is gone."""
+        try:
+            while not peer.gone:
+                try:
+                    # keep-alives end the wait before the link's timeout
+                    header = receive_header(peer.link, peer.link_rank)
+                except RuntimeError as exc:
+                    self._lose(peer.rank, f"receiving from it failed ({exc})")
+                    return
+                if isinstance(header, str) or header.src != peer.rank:
+                    # Not a frame of ours, or not from this peer: nothing more from it can be trusted.
+                    self._lose(peer.rank, f"a malformed frame arrived from it ({header})")
+                    return
+                payload = header.inline
+                if payload is None and header.nbytes:
+                    try:
+                        payload = receive_payload(peer.link, peer.link_rank, header.nbytes, self._buffers)
+                    except RuntimeError as exc:
+                        self._lose(peer.rank, f"it failed mid-frame ({exc})")
+                        return
+                self._on_frame(peer.rank, header.kind, header.call_id, header.aux, payload)
+        finally:
+            peer.receiver_done.set()
+
+    def _on_frame(self, src: int, kind: int, call_id: int, aux: int, payload: torch.Tensor | None) -> None:
+        """Route one received frame (on the receiver thread, or the sender's for a call to itself)."""
+        peer = self._peers.get(src)
+        if peer is not None:
+            peer.last_heard = time.monotonic()
+        if kind in REQUESTS:
+            with self._lock:
+                if peer is not None and peer.said_bye:
+                    return  # the caller has our goodbye, and with it a ConnectionError for this call
+                self._handlers_running += 1
+                if kind == REMOTE:
+                    self._creating.add((src, call_id))
+            try:
+                self._workers.submit(lambda: self._serve(src, kind, call_id, aux, payload))
+            except RuntimeError:  # shut down meanwhile: the caller gets our goodbye or times out
+                with self._lock:
+                    self._handlers_running -= 1
+                    self._creating.discard((src, call_id))
+                    self._idle.notify_all()
+        elif kind in (VALUE, ERROR):
+            with self._lock:
+                pending = self._pending.pop(call_id, None)
+                if pending is not None:
+                    pending.sent = None  # the reply proves the request's bytes were all sent
+                    pending.answer(kind, payload)
+                    self._idle.notify_all()
+        elif kind == RELEASE:
+            self._drop_owned((src, aux))
+        elif kind == BYE and peer is not None:
+            with self._lock:
+                peer.heard_bye = True
+                self._fail_calls_locked(
+                    [c for c in self._pending.values() if c.peer == src], "it has shut down", src
+                )
+                answer = not peer.said_bye and peer.lost is None
+            if answer:
+                self._send(src, BYE, 0)
+        # PING: nothing to do beyond last_heard
+
+    def _serve(self, src: int, kind: int, call_id: int, aux: int, payload: torch.Tensor | None) -> None:
+        """Run one request on a worker and send the reply."""
+        key = (src, call_id)
+        reply: bytes | None = None
+        try:
+            try:
+                if kind == FETCH:
+                    with self._lock:
+                        if (src, aux) not in self._owned:
+                            raise KeyError(
+                                f"the remote value {aux} of {self._who(src)} is released or was never kept"
+                            )
+                        value = self._owned[(src, aux)]
+                else:
+                    if payload is None:  # pragma: no cover - a request always has a payload
+                        raise ValueError("a request frame came without its payload")
+                    try:
+                        fn, args, kwargs = pc_pickle.loads(payload_bytes(payload))
+                    finally:
+                        self._buffers.give(payload)
+                    del payload
+                    value = self._handler(fn, args, kwargs)
+                if kind == REMOTE:
+                    self._keep(key, value)
+                    value = None
+                reply_kind = VALUE
+                reply = None if value is None else _dumps(value, f"the result for {self._who(src)}")
+            except Exception as exc:
+                if kind == REMOTE:
+                    with self._lock:
+                        self._creating.discard(key)
+                        self._released_early.discard(key)
+                reply_kind = ERROR
+                reply = self._error_payload(exc)
+            self._send(src, reply_kind, call_id, reply)
+        finally:
+            with self._lock:
+                self._handlers_running -= 1
+                self._idle.notify_all()
+
+    @staticmethod
+    def _error_payload(exc: BaseException) -> bytes:
+        text = format_exception(exc)
+        try:
+            return pc_pickle.dumps((portable_exception(exc), text))
+        except Exception:  # an exception that survives pickle but not pc-pickle's copy of it
+            return pc_pickle.dumps((RuntimeError(f"{type(exc).__qualname__}: {exc}"), text))
+
+    def _keep(self, key: tuple[int, int], value: Any) -> None:
+        with self._lock:
+            self._creating.discard(key)
+            creator = self._peers.get(key[0])
+            if key in self._released_early:
+                self._released_early.discard(key)
+            elif creator is None or creator.lost is None:
+                self._owned[key] = value
+            self._idle.notify_all()
+
+    def _drop_owned(self, key: tuple[int, int]) -> None:
+        with self._lock:
+            if key in self._creating:
+                self._released_early.add(key)
+            self._owned.pop(key, None)
+            self._idle.notify_all()
+
+    def owned_count(self, creator: int | None = None) -> int:
+        """How many values this member keeps for remote references (of ``creator`` only, if given)."""
+        with self._lock:
+            return sum(1 for key in self._owned if creator is None or key[0] == creator)
+
+    def _wait_owned_count(self, count: int, timeout: float, creator: int | None = None) -> bool:
+        """Wait until :meth:`owned_count` is ``count``; whether it is (for tests and diagnostics)."""
+        with self._lock:
+            return self._idle.wait_for(
+                lambda: sum(1 for k in self._owned if creator is None or k[0] == creator) == count, timeout
+            )
+
+    def _wait_lost(self, rank: int, timeout: float) -> str | None:
+        """Wait until peer ``rank`` is lost; why it is, or None if it is not (for tests and diagnostics)."""
+        peer = self._peers[rank]
+        with self._lock:
+            self._idle.wait_for(lambda: peer.lost is not None, timeout)
+            return peer.lost
+
+    # -- failures --------------------------------------------------------------------------------------------
+
+    def _fail_calls_locked(self, calls: list[PendingCall], why: str, rank: int) -> None:
+        for pending in calls:
+            self._pending.pop(pending.call_id, None)
+            self._orphan_locked(pending)
+            pending.fail(ConnectionError(f"{pending.what} to {self._who(rank)} failed: {why}"))
+        if calls:
+            self._idle.notify_all()
+
+    def _lose(self, rank: int, why: str) -> None:
+        """Mark ``rank`` unreachable: fail its calls, drop the values kept for it, end its lane."""
+        with self._lock:
+            peer = self._peers.get(rank)
+            if peer is None or peer.lost is not None:
+                return
+            peer.lost = why
+            self._fail_calls_locked(
+                [c for c in self._pending.values() if c.peer == rank], f"it is unreachable: {why}", rank
+            )
+            for key in [k for k in self._owned if k[0] == rank]:
+                del self._owned[key]
+            lane = peer.lane
+            self._idle.notify_all()
+        logger.warning(
+            "c10d transport of %s: %s is unreachable: %s", self._who(self._rank), self._who(rank), why
+        )
+        if lane is not None:
+            lane.put(STOP)
+
+    # -- housekeeping ----------------------------------------------------------------------------------------
+
+    def _housekeep(self) -> None:
+        """Keep-alives, call deadlines and queued releases, until shutdown's sentinel."""
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                due = now + self._keepalive
+                for p in self._peers.values():
+                    if not p.said_bye and p.lost is None:
+                        due = min(due, p.last_sent + self._keepalive)
+                        if not p.heard_bye:
+                            due = min(due, p.last_heard + self._link_timeout)
+                if self._deadlines:
+                    due = min(due, self._deadlines[0][0])
+            try:
+                item = self._chores.get(timeout=max(0.0, due - now))  # a chore, or the next due time
+            except queue.Empty:
+                item = None
+            if item is STOP:
+                return
+            if isinstance(item, tuple):
+                self._release(*item)
+            self._expire_due(time.monotonic())
+            self._keep_alive(time.monotonic())
+
+    def _expire_due(self, now: float) -> None:
+        expired = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, call_id = heapq.heappop(self._deadlines)
+                pending = self._pending.get(call_id)
+                if pending is not None:
+                    expired.append(pending)
+        for pending in expired:
+            self._expire(pending)
+
+    def _keep_alive(self, now: float) -> None:
+        with self._lock:
+            if self._state == "stopped":
+                return
+            quiet = [p for p in self._peers.values() if not p.said_bye and p.lost is None]
+        for peer in quiet:
+            if not peer.heard_bye and now - peer.last_heard > self._link_timeout:
+                self._lose(
+                    peer.rank,
+                    f"it sent nothing for {now - peer.last_heard:.1f} s "
+                    f"(link_timeout {self._link_timeout:g} s)",
+                )
+            elif now - peer.last_sent >= self._keepalive:
+                self._send(peer.rank, PING, 0)
+
+    def _queue_release(self, owner: int, ref_id: int) -> None:
+        """Queue a release for the housekeeper (safe from a garbage-collector callback)."""
+        self._chores.put((owner, ref_id))
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a C10dTransport belongs to its process and cannot be pickled")
+
+
+def _check_link(link: Any, rank: int, other: int) -> None:
+    """Check that ``link`` is a two-member process group in which this process has the expected rank."""
+    if not all(callable(getattr(link, name, None)) for name in ("send", "recv", "rank", "size")):
+        raise TypeError(f"links[{other}] must be a torch.distributed process group, got {type(link).__name__}")
+    expected = int(rank > other)
+    if link.size() != 2 or link.rank() != expected:
+        raise ValueError(
+            f"links[{other}] must be a group of two in which this member ({rank}) is rank {expected}, got "
+            f"a group of {link.size()} in which it is rank {link.rank()}"
+        )
+
+
+def _release_ref(transport_ref: weakref.ReferenceType[C10dTransport], owner: int, ref_id: int) -> None:
+    """The finalizer of a garbage-collected :class:`C10dRemoteRef` (it may run on any thread, any time)."""
+    transport = transport_ref()
+    if transport is not None:
+        transport._queue_release(owner, ref_id)
+
+
+class C10dRemoteRef:
+    """A reference to a value kept by its owner (from :meth:`C10dTransport.remote`).
+
+    The owner keeps the value until :meth:`release` or until this object is garbage-collected, whichever
+    comes first; both send one release frame to the owner. Belongs to the process that created it (it cannot
+    be pickled).
+    """
+
+    def __init__(self, transport: C10dTransport, owner: int, ref_id: int, created: PendingCall) -> None:
+        self._transport = transport
+        self._owner = owner
+        self._ref_id = ref_id
+        self._created = created
+        self._release = weakref.finalize(self, _release_ref, weakref.ref(transport), owner, ref_id)
+        self._release.atexit = False
+
+    @property
+    def owner_rank(self) -> int:
+        """The owner's rank."""
+        return self._owner
+
+    def owner(self) -> str:
+        """The owner's name."""
+        return self._transport.names[self._owner]
+
+    def is_owner(self) -> bool:
+        """Whether this process keeps the value."""
+        return self._owner == self._transport.rank
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner has created the value (the remote call's reply arrived without an error)."""
+        future = self._created.future
+        return future.done() and future.exception() is None and future.result(0)[0] == VALUE
+
+    def wait_created(self, timeout: float | None = None) -> None:
+        """Wait until the owner holds the value (``timeout``: None or -1 for the remote call's own).
+
+        Raises:
+            Exception: The remote exception of the creation (its type, the remote traceback as ``__cause__``).
+            TimeoutError: If the creation did not finish in time.
+            ConnectionError: If the owner is lost or shut down.
+        """
+        seconds = optional_timeout("timeout", timeout)
+        if seconds is None:
+            self._transport._wait(self._created)
+            return
+        try:
+            self._created.future.result(seconds)
+        except _FutureTimeout:
+            raise TimeoutError(
+                f"remote value on {self._transport._who(self._owner)} not created within {seconds:g} s"
+            ) from None
+        self._transport._outcome(self._created)
+
+    def to_here(self, timeout: float | None = None) -> Any:
+        """A copy of the value, fetched from the owner (``timeout``: seconds, None or -1: the default).
+
+        Raises:
+            KeyError: If the value was released.
+            Exception: The remote exception of the creation.
+            TimeoutError: If the creation or the fetch did not finish in time.
+            ConnectionError: If the owner is lost or shut down.
+            RuntimeError: If the transport is shut down.
+        """
+        self.wait_created(timeout)
+        if not self._release.alive:
+            raise KeyError(f"the remote value on {self._transport._who(self._owner)} was released")
+        return self._transport._fetch(self._owner, self._ref_id, timeout)
+
+    def release(self) -> None:
+        """Tell the owner to drop the value now (idempotent; later :meth:`to_here` raises ``KeyError``)."""
+        if self._release.detach() is not None:
+            self._transport._release(self._owner, self._ref_id)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a C10dRemoteRef belongs to the process that created it and cannot be pickled")
+
+    def __repr__(self) -> str:
+        return f"C10dRemoteRef(owner={self.owner()!r}, id={self._ref_id})"

@@ -1,0 +1,455 @@
+"""The c10d transport: RPC frames over gloo links (a group per pair), in real multi-process worlds.
+
+Each test starts one group of processes (c10d_testutils.run_ranks) and runs many checks in it, because a
+start costs seconds. Functions sent to other ranks are module-level functions, lambdas and closures (pc-pickle
+carries the latter by value); ``_T`` is the transport of the process a function runs in.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from c10d_testutils import DIED, make_links, run_ranks, store_barrier
+
+from pc_distributed._errors import RemoteTraceback
+from pc_distributed.rpc import _c10d_frames as frames
+from pc_distributed.rpc._c10d_frames import check_host_tensor
+from pc_distributed.rpc._c10d_transport import C10dTransport
+
+_T: C10dTransport | None = None  # the transport of this process (set by each rank's body)
+_BLOCK = threading.Event()  # holds _block_until_released until another call sets it
+
+
+def _transport() -> C10dTransport:
+    assert _T is not None
+    return _T
+
+
+def _call_back(origin: int) -> tuple[int, int]:
+    """Runs on a peer: calls back into ``origin`` from inside a handler."""
+    return os.getpid(), _transport().call_sync(origin, os.getpid, timeout=30)
+
+
+def _raise_value_error(text: str) -> None:
+    raise ValueError(text)
+
+
+def _return_socket() -> socket.socket:
+    return socket.socket()  # closed with the handler's frame when the reply fails to pickle
+
+
+def _block_until_released() -> str:
+    _BLOCK.wait(60)  # stands for a handler that never returns; the test releases it to end cleanly
+    return "released"
+
+
+def _release_block() -> None:
+    _BLOCK.set()
+
+
+def _owned(creator: int, count: int) -> bool:
+    return _transport()._wait_owned_count(count, 30, creator)
+
+
+def _kill_myself() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _c10d_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("pc-c10d")]
+
+
+@pytest.fixture(autouse=True)
+def _no_children_left() -> Any:
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    yield
+    left = [
+        c
+        for c in psutil.Process().children(recursive=True)
+        if c.pid not in before and "resource_tracker" not in " ".join(c.cmdline())
+    ]
+    assert not left, f"processes left behind: {left}"
+
+
+# -- happy paths --------------------------------------------------------------------------------------------
+
+
+def _happy(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    global _T
+    _T = t
+    size = len(t.names)
+    peers = [r for r in range(size) if r != rank]
+    out: dict[str, Any] = {}
+    pids = {r: t.call_sync(r, os.getpid) for r in range(size)}
+    out["pids"] = pids
+
+    # lambdas and closures as the function and as arguments; a call to itself runs on a copy
+    base = 100 * rank
+    out["closures"] = [t.call_sync(p, lambda f, x: f(x), (lambda v: v + base, p)) for p in peers]
+    mine = torch.zeros(3)
+    copied = t.call_sync(rank, lambda x: x.add_(1), (mine,))
+    out["self_copy"] = (mine.tolist(), copied.tolist())
+
+    # async: futures from every peer, and a then() chain
+    futures = [t.call(p, lambda q=p: ("async", q)) for p in peers]
+    out["async"] = [f.wait() for f in futures]
+    out["then"] = t.call(peers[0], lambda: 20).then(lambda f: f.wait() + 1).wait()
+
+    # many threads at once, every call answered by the right process with its own argument
+    errors: list[BaseException] = []
+    answers: list[tuple[int, int, int]] = []
+    lock = threading.Lock()
+
+    def hammer(seed: int) -> None:
+        try:
+            for i in range(20):
+                target = (seed + i) % size
+                got = t.call_sync(target, lambda v: (os.getpid(), v), (seed * 1000 + i,))
+                with lock:
+                    answers.append((target, got[0], got[1] - seed * 1000 - i))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    out["hammer_errors"] = [repr(e) for e in errors]
+    out["hammer"] = (len(answers), all(pids[tr] == pid and d == 0 for tr, pid, d in answers))
+
+    # handlers that call back into their caller, several at once (more than the workers of none)
+    backs: list[Any] = []
+
+    def back(p: int) -> None:
+        backs.append(t.call_sync(p, _call_back, (rank,), timeout=60))
+
+    threads = [threading.Thread(target=back, args=(peers[i % len(peers)],)) for i in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    out["callbacks"] = sorted(backs)
+
+    # a 16 MB tensor each way
+    big = torch.randn(4 << 20, dtype=torch.float32)
+    doubled = t.call_sync(peers[0], lambda x: x * 2, (big,), timeout=120)
+    out["big"] = (doubled.shape == big.shape, bool(torch.equal(doubled, big * 2)))
+
+    # remote references: value kept on the owner until released, explicitly or by garbage collection
+    owner = peers[0]
+    store_barrier(store, "refs", list(range(size)), rank)
+    ref = t.remote(owner, lambda: torch.arange(5) + base)
+    out["ref_value"] = ref.to_here().tolist()
+    out["ref_owner"] = (ref.owner_rank, ref.owner(), ref.is_owner())
+    out["ref_kept"] = t.call_sync(owner, _owned, (rank, 1))
+    ref.release()
+    ref.release()  # idempotent
+    out["ref_released"] = t.call_sync(owner, _owned, (rank, 0))  # the release frame went first
+    with pytest.raises(KeyError):
+        ref.to_here()
+    gc_ref = t.remote(owner, lambda: "kept")
+    gc_ref.wait_created()
+    out["gc_kept"] = t.call_sync(owner, _owned, (rank, 1))
+    del gc_ref
+    gc.collect()
+    out["gc_released"] = t.call_sync(owner, _owned, (rank, 0))
+    bad = t.remote(owner, _raise_value_error, ("no value",))
+    with pytest.raises(ValueError, match="no value"):
+        bad.to_here()
+    local = t.remote(rank, lambda: [1, 2])
+    out["local_ref"] = (local.to_here(), t.owned_count(rank))
+    local.release()
+    out["local_released"] = t.owned_count(rank)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(local)
+    return out
+
+
+def test_calls_threads_callbacks_large_payloads_and_remote_refs() -> None:
+    results = run_ranks(_happy, 3)
+    for rank, out in enumerate(results):
+        peers = [r for r in range(3) if r != rank]
+        pids = out["pids"]
+        assert len(set(pids.values())) == 3
+        assert out["closures"] == [p + 100 * rank for p in peers]
+        assert out["self_copy"] == ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0])
+        assert out["async"] == [("async", p) for p in peers]
+        assert out["then"] == 21
+        assert out["hammer_errors"] == []
+        assert out["hammer"] == (160, True)
+        assert len(out["callbacks"]) == 6
+        assert all(back_pid == pids[rank] for _, back_pid in out["callbacks"])
+        assert out["big"] == (True, True)
+        assert out["ref_value"] == [100 * rank + i for i in range(5)]
+        assert out["ref_owner"] == (peers[0], f"w{peers[0]}", False)
+        assert out["ref_kept"] is True
+        assert out["ref_released"] is True
+        assert out["gc_kept"] is True
+        assert out["gc_released"] is True
+        assert out["local_ref"] == ([1, 2], 1)
+        assert out["local_released"] == 0
+
+
+# -- failure paths ------------------------------------------------------------------------------------------
+
+
+def _failures(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    global _T
+    _T = t
+    other = 1 - rank
+    out: dict[str, Any] = {}
+
+    # a remote exception: its type, the remote traceback as __cause__, the member named in a note
+    with pytest.raises(ValueError, match="boom") as info:
+        t.call_sync(other, _raise_value_error, ("boom",))
+    cause = info.value.__cause__
+    out["remote_tb"] = (
+        isinstance(cause, RemoteTraceback) and "_raise_value_error" in cause.text,
+        any(f"w{other}" in n for n in getattr(info.value, "__notes__", [])),
+    )
+    with pytest.raises(ValueError, match="async boom"):
+        t.call(other, _raise_value_error, ("async boom",)).wait()
+
+    # an unpicklable argument fails here, before anything is sent; an unpicklable result fails there
+    with socket.socket() as sock, pytest.raises(TypeError, match="cannot be pickled"):
+        t.call_sync(other, len, (sock,))
+    out["nothing_pending"] = not t._pending  # refused before a call was registered or a frame sent
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        t.call_sync(other, _return_socket)
+    out["after_unpicklable"] = t.call_sync(other, lambda: "fine")
+
+    # a handler that never returns: TimeoutError naming the member, within the call's timeout; the other
+    # workers keep serving meanwhile
+    store_barrier(store, "block", [0, 1], rank)
+    if rank == 0:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="'w1'"):
+            t.call_sync(1, _block_until_released, timeout=1.5)
+        out["timeout_after"] = time.monotonic() - started
+        with pytest.raises(TimeoutError, match="'w1'"):
+            t.call(1, _block_until_released, timeout=1.0).wait()
+        out["served_meanwhile"] = t.call_sync(1, lambda: "served")
+        t.call_sync(1, _release_block)
+
+    # bad arguments: TypeError/ValueError naming them
+    with pytest.raises(ValueError, match="to_rank"):
+        t.call_sync(2, len, ("x",))
+    with pytest.raises(TypeError, match="args"):
+        t.call_sync(other, len, "x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        t.call_sync(other, len, ("x",), timeout=0)
+    with pytest.raises(TypeError, match="kwargs"):
+        t.call_sync(other, len, (), kwargs=[1])  # type: ignore[arg-type]
+
+    # the host-tensor guard: never a CUDA (or other device) tensor to gloo
+    with pytest.raises(ValueError, match="host memory"):
+        check_host_tensor(torch.empty(4, device="meta"), "a frame payload")
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
+        check_host_tensor(b"bytes", "a frame payload")
+
+    # construction checks, and a second transport on links of its own: shut down twice, then refused
+    links = make_links(store, rank, 2, 10, prefix="second")
+    with pytest.raises(ValueError, match="a group of two in which this member"):
+        C10dTransport({rank: links[other]}, other, ["a", "b"], link_timeout=10)  # the link says: `rank`
+    with pytest.raises(ValueError, match="links"):
+        C10dTransport(links, rank, ["a", "b", "c"], link_timeout=10)  # no link to the third
+    with pytest.raises(ValueError, match="names"):
+        C10dTransport(links, rank, ["a", "a"], link_timeout=10)
+    with pytest.raises(TypeError, match="handler"):
+        C10dTransport(links, rank, ["a", "b"], "nope", link_timeout=10)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="process group"):
+        C10dTransport({other: object()}, rank, ["a", "b"], link_timeout=10)
+    with pytest.raises(TypeError, match="mapping"):
+        C10dTransport([links[other]], rank, ["a", "b"], link_timeout=10)  # type: ignore[arg-type]
+    second = C10dTransport(links, rank, ["a", "b"], link_timeout=10, timeout=10)
+    out["second"] = second.call_sync(other, lambda: "second")
+    store_barrier(store, "second", [0, 1], rank)
+    second.shutdown(timeout=10)
+    second.shutdown(timeout=10)
+    with pytest.raises(RuntimeError, match="shut down"):
+        second.call_sync(other, len, ("x",))
+    out["second_running"] = second.is_running
+    return out
+
+
+def test_remote_errors_unpicklables_timeouts_and_bad_input() -> None:
+    results = run_ranks(_failures, 2)
+    for out in results:
+        assert out["remote_tb"] == (True, True)
+        assert out["after_unpicklable"] == "fine"
+        assert out["nothing_pending"] is True
+        assert out["second"] == "second"
+        assert out["second_running"] is False
+    # liveness bound, not a speed claim: the call's timeout is 1.5 s
+    assert 1.4 <= results[0]["timeout_after"] < 15
+    assert results[0]["served_meanwhile"] == "served"
+
+
+# -- a peer killed ------------------------------------------------------------------------------------------
+
+
+def _peer_killed(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    global _T
+    _T = t
+    out: dict[str, Any] = {}
+    store_barrier(store, "up", [0, 1, 2], rank)
+    if rank == 2:
+        store.wait(["kill"], timedelta(seconds=60))
+        _kill_myself()
+    if rank == 0:
+        started = time.monotonic()
+        with pytest.raises((ConnectionError, TimeoutError), match="'w2'"):
+            t.call_sync(2, _kill_myself, timeout=30)  # dies while serving it
+        out["dead_after"] = time.monotonic() - started
+        store.set("kill", "1")
+        with pytest.raises(ConnectionError, match="'w2'"):
+            t.call_sync(2, len, ("x",))
+    else:
+        store.wait(["kill"], timedelta(seconds=60))
+    # the survivors still talk to each other
+    out["survivors"] = t.call_sync(1 - rank if rank < 2 else 0, lambda: "alive")
+    store_barrier(store, "done", [0, 1], rank)
+    started = time.monotonic()
+    t.shutdown(timeout=10)
+    out["shutdown_after"] = time.monotonic() - started
+    out["threads"] = _c10d_threads()
+    return out
+
+
+def test_peer_killed_mid_call_is_named_and_shutdown_stays_bounded() -> None:
+    results = run_ranks(_peer_killed, 3, barrier=False, may_die=(2,))
+    assert results[2] == DIED
+    assert results[0]["dead_after"] < 30  # within the call's timeout
+    for out in results[:2]:
+        assert out["survivors"] == "alive"
+        assert out["shutdown_after"] < 12
+        assert out["threads"] == []  # the goodbye of the survivor ended the receiver; the dead one was lost
+
+
+def _only_peer_killed(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    store_barrier(store, "up", [0, 1], rank)
+    if rank == 1:
+        _kill_myself()
+    started = time.monotonic()
+    with pytest.raises((ConnectionError, TimeoutError), match="'w1'"):
+        # the receiver's read of the closed pair or the next keep-alive marks w1 lost; the call's own
+        # deadline is the last resort
+        t.call_sync(1, os.getpid, timeout=20)
+    out["failed_after"] = time.monotonic() - started
+    started = time.monotonic()
+    t.shutdown(timeout=3)
+    out["shutdown_after"] = time.monotonic() - started
+    out["threads"] = _c10d_threads()  # the receive on the dead peer's link ended when its connection closed
+    return out
+
+
+def test_shutdown_with_the_only_peer_dead_is_bounded_and_leaves_no_thread() -> None:
+    results = run_ranks(_only_peer_killed, 2, barrier=False, may_die=(1,), link_timeout=6.0)
+    assert results[1] == DIED
+    out = results[0]
+    assert out["failed_after"] < 20
+    assert out["shutdown_after"] < 6
+    assert out["threads"] == []
+
+
+def _all_peers_killed(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    store_barrier(store, "up", [0, 1, 2], rank)
+    if rank > 0:
+        _kill_myself()
+    for peer in (1, 2):
+        with pytest.raises((ConnectionError, TimeoutError), match=f"'w{peer}'"):
+            t.call_sync(peer, os.getpid, timeout=20)
+    started = time.monotonic()
+    t.shutdown(timeout=3)
+    out["shutdown_after"] = time.monotonic() - started
+    out["threads"] = _c10d_threads()  # each dead peer's connection closing ended the receive from it
+    return out
+
+
+def test_shutdown_with_every_peer_dead_returns_in_time_and_leaves_no_thread() -> None:
+    # a link timeout longer than the test's bounds: nothing may wait for it
+    results = run_ranks(_all_peers_killed, 3, barrier=False, may_die=(1, 2), link_timeout=60.0)
+    assert results[1:] == [DIED, DIED]
+    assert results[0]["shutdown_after"] < 6
+    assert results[0]["threads"] == []
+
+
+def _dies_mid_frame(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    store_barrier(store, "up", [0, 1, 2], rank)
+    if rank == 2:
+        # the words of a frame whose 1 MB payload never follows: the receiver waits for it from rank 2 only
+        header = bytearray(frames.HEADER_BYTES)
+        frames._WORDS.pack_into(header, 0, frames._MAGIC, frames.CALL, 2, 999, 0, 1 << 20, 0)
+        tensor = torch.frombuffer(header, dtype=torch.uint8)
+        link = t._peers[0].link
+        link.send([tensor], 0, frames.HEADER_TAG).wait()
+        _kill_myself()
+    if rank == 0:
+        with pytest.raises(ConnectionError, match="'w2'"):
+            t.call_sync(2, os.getpid, timeout=20)
+        store.set("w2 lost", "1")
+    store.wait(["w2 lost"], timedelta(seconds=60))
+    # the receiver dropped the partial frame and serves the others as before, both ways
+    out["after"] = t.call_sync(1 - rank, lambda: "still serving")
+    store_barrier(store, "done", [0, 1], rank)
+    return out
+
+
+def test_a_peer_dying_mid_frame_is_lost_and_nothing_else_is_affected() -> None:
+    results = run_ranks(_dies_mid_frame, 3, barrier=False, may_die=(2,))
+    assert results[2] == DIED
+    assert [r["after"] for r in results[:2]] == ["still serving", "still serving"]
+
+
+# -- a peer stalled ------------------------------------------------------------------------------------------
+
+
+def _peer_stalled(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    store.set(f"pid/{rank}", str(os.getpid()))
+    store_barrier(store, "up", [0, 1, 2], rank)
+    if rank == 2:
+        store.wait(["never"], timedelta(seconds=120))  # stopped meanwhile; killed at the end
+    if rank == 0:
+        os.kill(int(store.get("pid/2")), signal.SIGSTOP)
+        with pytest.raises(TimeoutError, match="'w2'"):
+            t.call_sync(2, os.getpid, timeout=1.0)
+        store.set("stopped", "1")
+    store.wait(["stopped"], timedelta(seconds=60))
+    # the link to the stalled member runs out (4 s without a frame): it is lost, nobody else is
+    out["lost"] = t._wait_lost(2, 60)
+    with pytest.raises(ConnectionError, match="'w2'"):
+        t.call_sync(2, os.getpid)
+    out["others"] = t.call_sync(1 - rank, lambda: "still serving")
+    store_barrier(store, "done", [0, 1], rank)
+    if rank == 0:
+        os.kill(int(store.get("pid/2")), signal.SIGKILL)
+    started = time.monotonic()
+    t.shutdown(timeout=10)
+    out["shutdown_after"] = time.monotonic() - started
+    return out
+
+
+def test_a_stalled_peer_times_out_then_is_lost_alone() -> None:
+    results = run_ranks(_peer_stalled, 3, barrier=False, may_die=(2,), link_timeout=4.0)
+    assert results[2] == DIED
+    for out in results[:2]:
+        assert out["lost"] is not None and ("sent nothing" in out["lost"] or "receiving" in out["lost"])
+        assert out["others"] == "still serving"
+        assert out["shutdown_after"] < 12
