@@ -29,6 +29,7 @@ __all__ = [
     "check_backend",
     "destroy_pg",
     "init_pg",
+    "listen_socket",
     "master_store",
     "new_group",
     "open_store",
@@ -37,6 +38,7 @@ __all__ = [
     "prefix_store",
     "rpc_available",
     "rpc_options",
+    "serve_store",
     "shutdown_rpc",
     "start_rpc",
     "store_client",
@@ -128,22 +130,39 @@ def open_store(url: str, rank: int, world_size: int, timeout: float) -> Any:
 def master_store(host: str, port: int, world_size: int, timeout: float) -> Any:
     """Serve a new TCPStore on ``host:port`` only (port 0: a free port; read it with ``store_port``).
 
-    We bind the listening socket ourselves and hand it to the store (``master_listen_fd``), because TCPStore
-    binds every interface when it creates the socket. The store is multi-tenant, so RPC's rendezvous on the
-    same address reuses it.
+    We bind the listening socket ourselves (:func:`listen_socket`) and hand it to the store
+    (:func:`serve_store`), because TCPStore binds every interface when it creates the socket. The store is
+    multi-tenant, so RPC's rendezvous on the same address reuses it.
+    """
+    fd, bound_port = listen_socket(host, port)
+    return serve_store(host, bound_port, fd, world_size, timeout)
+
+
+def listen_socket(host: str, port: int) -> tuple[int, int]:
+    """A listening TCP socket bound to ``host:port`` only (port 0: a free one): its descriptor and port.
+
+    Clients that connect before a store serves it wait in the listen backlog, so a launcher can start its
+    processes first and serve the store after (no process is forked while the store's threads run).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.bind((host, port))
         sock.listen(128)
-        bound_port = sock.getsockname()[1]
+        bound_port = int(sock.getsockname()[1])
     except BaseException:
         sock.close()
         raise
-    fd = sock.detach()  # the store owns the descriptor from here on (it closes it)
+    return sock.detach(), bound_port
+
+
+def serve_store(host: str, port: int, fd: int, world_size: int, timeout: float) -> Any:
+    """Serve a master TCPStore on the listening socket ``fd`` (from :func:`listen_socket`), which it then owns.
+
+    On failure the descriptor is closed.
+    """
     try:
-        return _serve_on_fd(host, bound_port, world_size, timeout, fd)
+        return _serve_on_fd(host, port, world_size, timeout, fd)
     except BaseException:
         os.close(fd)
         raise

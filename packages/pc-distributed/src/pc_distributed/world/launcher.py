@@ -60,6 +60,8 @@ class _RankJob:
         env: The rendezvous variables every rank shares (``RANK``/``LOCAL_RANK`` are added per rank).
         world_kwargs: Keyword arguments of each rank's :class:`~pc_distributed.World`.
         deadline_wall: ``time.time()`` by which ``run_world`` gives up (bounds the World's stop).
+        inherited_fd: The store's listening socket, which a forked rank inherits and closes (None: not
+            inherited).
     """
 
     fn: Callable[..., Any]
@@ -68,9 +70,12 @@ class _RankJob:
     env: dict[str, str]
     world_kwargs: dict[str, Any]
     deadline_wall: float
+    inherited_fd: int | None = None
 
     def run(self, rank: int, conn: Any) -> None:
         """The rank process's body: start the World, run ``fn``, send the result on ``conn``, stop."""
+        if self.inherited_fd is not None:
+            os.close(self.inherited_fd)  # the parent's store listens on it: a copy here would outlive the store
         os.environ.update({**self.env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
         from pc_distributed.world.world import World
 
@@ -220,10 +225,12 @@ def run_world(
         "rpc_backend": rpc_backend,
     }
     ctx: Any = mp.get_context(start_method)
-    store = _torch_dist.master_store("127.0.0.1", 0, world_size, timeout)
+    # The ranks start before the store serves (they wait in the listen backlog): a child forked while the
+    # store's server thread runs can inherit one of its locks held and hang in its own store client.
+    fd, port = _torch_dist.listen_socket("127.0.0.1", 0)
     env = {
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_torch_dist.store_port(store)),
+        "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -232,10 +239,12 @@ def run_world(
     start = time.monotonic()
     deadline = start + timeout
     deadline_wall = time.time() + timeout
-    job = _RankJob(fn, tuple(args), world_size, env, world_kwargs, deadline_wall)
+    inherited = fd if start_method == "fork" else None
+    job = _RankJob(fn, tuple(args), world_size, env, world_kwargs, deadline_wall, inherited)
     procs: list[Any] = []
     conns: list[Any] = []
     finished = False
+    store: Any = None
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
@@ -244,10 +253,14 @@ def run_world(
             writer.close()
             procs.append(proc)
             conns.append(reader)
+        listening, fd = fd, -1  # serve_store owns it from here on, and closes it if it fails
+        store = _torch_dist.serve_store("127.0.0.1", port, listening, world_size, timeout)
         results = _collect(procs, conns, deadline, timeout, grace_period)
         finished = True
         return results
     finally:
+        if fd >= 0:  # the store never took it
+            os.close(fd)
         _reap(procs, patient=finished)
         for conn in conns:
             conn.close()
