@@ -221,7 +221,8 @@ def test_run_world_refuses_fork_with_rpc_where_cuda_is_available(monkeypatch: py
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     children = psutil.Process().children()
     with pytest.raises(ValueError, match=r"fork.*CUDA.*spawn"):
-        pd.run_world(_rank_times_ten, 2, start_method="fork")
+        pd.run_world(_rank_times_ten, 2, start_method="fork", rpc_backend="tensorpipe")
     assert psutil.Process().children() == children
-    # without RPC a forked rank is fine (gloo needs no CUDA)
+    # without RPC, or with the c10d backend (gloo needs no CUDA), a forked rank is fine
     assert pd.run_world(_rank_times_ten, 2, start_method="fork", init_rpc=False, timeout=60) == [0, 10]
+    assert pd.run_world(_rank_times_ten, 2, start_method="fork", rpc_backend="c10d", timeout=60) == [0, 10]

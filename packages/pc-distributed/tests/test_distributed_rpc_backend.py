@@ -1,6 +1,6 @@
-"""The World's RPC backend is the one way RpcGroup and RemoteRef reach another member.
+"""The World's RPC backend is the one way RpcGroup and RemoteRef reach another member; how a World picks it.
 
-One 2-process world; each rank wraps its World's backend in a recorder that delegates to it, then rank 0 calls
+One 2-process world per backend (TensorPipe and c10d, whatever ``PC_RPC_BACKEND`` says); each rank wraps its World's backend in a recorder that delegates to it, then rank 0 calls
 rank 1 every way a group can (plain calls, services, paired values). Every send must show up in the recorder,
 addressed to the member by name, and ``World.stop`` must shut the backend down through it: a call that went to
 torch's RPC directly, or a stop that skipped the backend, fails these tests.
@@ -15,7 +15,12 @@ import torch
 from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
+from pc_distributed import _torch_dist
+from pc_distributed.rpc._backend import AUTO_CHOICE, ENV_VAR, choose_backend
+from pc_distributed.rpc._c10d import C10dBackend
 from pc_distributed.rpc._tensorpipe import TensorPipeBackend
+
+_CLASSES = {"tensorpipe": TensorPipeBackend.__name__, "c10d": C10dBackend.__name__}
 
 
 class _Recorder:
@@ -92,13 +97,19 @@ def _checks(rank: int) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def observed() -> list[dict[str, Any]]:
-    return pd.run_world(_checks, 2, timeout=120, start_method=fork_unless_cuda(), rpc_timeout=30)
+@pytest.fixture(scope="module", params=["tensorpipe", "c10d"])
+def observed(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    out = pd.run_world(
+        _checks, 2, timeout=120, start_method=fork_unless_cuda(), rpc_timeout=30, rpc_backend=request.param
+    )
+    for o in out:
+        o["asked"] = request.param
+    return out
 
 
-def test_the_world_starts_the_tensorpipe_backend(observed: list[dict[str, Any]]) -> None:
-    assert [o["backend"] for o in observed] == [(TensorPipeBackend.__name__, "tensorpipe")] * 2
+def test_the_world_starts_the_backend_it_was_asked_for(observed: list[dict[str, Any]]) -> None:
+    asked = observed[0]["asked"]
+    assert [o["backend"] for o in observed] == [(_CLASSES[asked], asked)] * 2
 
 
 def test_every_call_of_a_group_goes_through_the_backend(observed: list[dict[str, Any]]) -> None:
@@ -124,3 +135,37 @@ def test_a_remote_exception_crosses_the_backend_with_its_traceback(observed: lis
 
 def test_world_stop_shuts_the_backend_down_gracefully(observed: list[dict[str, Any]]) -> None:
     assert [o["shutdowns"] for o in observed] == [[(True, 30.0)]] * 2
+
+
+# -- choosing a backend --------------------------------------------------------------------------------------
+
+
+def test_auto_reads_the_environment_variable_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "c10d")
+    assert choose_backend("auto") == "c10d"
+    monkeypatch.setenv(ENV_VAR, "TensorPipe")
+    assert choose_backend("auto") == "tensorpipe"
+    assert choose_backend("c10d") == "c10d"  # an explicit choice wins over the variable
+    monkeypatch.setenv(ENV_VAR, "mpi")
+    with pytest.raises(ValueError, match=ENV_VAR):
+        choose_backend("auto")
+
+
+def test_auto_without_the_variable_follows_what_torch_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert choose_backend("auto") == (AUTO_CHOICE if _torch_dist.rpc_available() else "c10d")
+    # a torch build without torch.distributed.rpc: auto falls back to c10d, tensorpipe is refused
+    monkeypatch.setattr(_torch_dist, "rpc_available", lambda: False)
+    assert choose_backend("auto") == "c10d"
+    with pytest.raises(ValueError, match="no torch.distributed.rpc"):
+        choose_backend("tensorpipe")
+
+
+def test_a_bad_backend_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="'grpc'"):
+        pd.World(name="x", rpc_backend="grpc")
+    with pytest.raises(TypeError, match="rpc_backend"):
+        pd.World(name="x", rpc_backend=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'grpc'"):
+        pd.run_world(_add, 1, rpc_backend="grpc")
+    assert pd.get_world() is None

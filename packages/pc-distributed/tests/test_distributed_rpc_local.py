@@ -1,7 +1,7 @@
 """RpcGroup calls that need no RPC or no directory: a service of this process, a call addressed to its owner.
 
 One 2-process world runs the checks; rank 0 owns the services. A call to a service this process owns runs in
-the caller's thread (no torch RPC is sent) on copies of the arguments and the result, as an RPC would deliver
+the caller's thread (nothing is sent through the RPC backend) on copies of the arguments and the result, as an RPC would deliver
 them; a call given its ``owner`` never asks the group's directory.
 """
 
@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.rpc as torch_rpc
 from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
@@ -35,11 +34,16 @@ def _fail(x: int) -> None:
 
 
 class _RpcCounter:
-    """Counts torch RPCs sent by this process (rpc_sync, rpc_async, remote) while active."""
+    """Counts the calls this process sends through its World's RPC backend (any backend) while active."""
+
+    _SENDS = ("call_sync", "call", "remote")
 
     def __init__(self) -> None:
         self.count = 0
-        self._orig = {n: getattr(torch_rpc, n) for n in ("rpc_sync", "rpc_async", "remote")}
+        world = pd.get_world()
+        assert world is not None and world.rpc_transport is not None
+        self._backend = world.rpc_transport
+        self._orig = {n: getattr(self._backend, n) for n in self._SENDS}
 
     def __enter__(self) -> _RpcCounter:
         for name, fn in self._orig.items():
@@ -48,12 +52,12 @@ class _RpcCounter:
                 self.count += 1
                 return _fn(*a, **kw)
 
-            setattr(torch_rpc, name, wrapper)
+            setattr(self._backend, name, wrapper)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name, fn in self._orig.items():
-            setattr(torch_rpc, name, fn)
+        for name in self._orig:
+            delattr(self._backend, name)  # the instance attribute goes, the class's method answers again
 
 
 def _catch(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, str, str | None]:
