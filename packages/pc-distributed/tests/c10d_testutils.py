@@ -32,7 +32,9 @@ def store_barrier(store: Any, name: str, ranks: list[int], rank: int, timeout: f
     store.wait([f"barrier/{name}/{r}" for r in ranks], timedelta(seconds=timeout))
 
 
-def make_links(store: Any, rank: int, world_size: int, link_timeout: float, prefix: str = "links") -> dict[int, Any]:
+def make_links(
+    store: Any, rank: int, world_size: int, link_timeout: float, prefix: str = "links"
+) -> dict[int, Any]:
     """This rank's link to every other rank (a gloo group of two each), as the World makes them."""
     scoped = dist.PrefixStore(prefix, store)
     return {r: pair_link(scoped, rank, r, link_timeout) for r in range(world_size) if r != rank}

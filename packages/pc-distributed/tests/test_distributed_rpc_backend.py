@@ -1,9 +1,10 @@
 """The World's RPC backend is the one way RpcGroup and RemoteRef reach another member; how a World picks it.
 
-One 2-process world per backend (TensorPipe and c10d, whatever ``PC_RPC_BACKEND`` says); each rank wraps its World's backend in a recorder that delegates to it, then rank 0 calls
-rank 1 every way a group can (plain calls, services, paired values). Every send must show up in the recorder,
-addressed to the member by name, and ``World.stop`` must shut the backend down through it: a call that went to
-torch's RPC directly, or a stop that skipped the backend, fails these tests.
+One 2-process world per backend (TensorPipe and c10d, whatever ``PC_RPC_BACKEND`` says); each rank wraps its
+World's backend in a recorder that delegates to it, then rank 0 calls rank 1 every way a group can (plain
+calls, services, paired values). Every send must show up in the recorder, addressed to the member by name, and
+``World.stop`` must shut the backend down through it: a call that went to torch's RPC directly, or a stop that
+skipped the backend, fails these tests.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def test_auto_without_the_variable_follows_what_torch_has(monkeypatch: pytest.Mo
     # a torch build without torch.distributed.rpc: auto falls back to c10d, tensorpipe is refused
     monkeypatch.setattr(_torch_dist, "rpc_available", lambda: False)
     assert choose_backend("auto") == "c10d"
-    with pytest.raises(ValueError, match="no torch.distributed.rpc"):
+    with pytest.raises(ValueError, match=r"no torch\.distributed\.rpc"):
         choose_backend("tensorpipe")
 
 

@@ -1,8 +1,8 @@
 """RpcGroup calls that need no RPC or no directory: a service of this process, a call addressed to its owner.
 
 One 2-process world runs the checks; rank 0 owns the services. A call to a service this process owns runs in
-the caller's thread (nothing is sent through the RPC backend) on copies of the arguments and the result, as an RPC would deliver
-them; a call given its ``owner`` never asks the group's directory.
+the caller's thread (nothing is sent through the RPC backend) on copies of the arguments and the result, as an
+RPC would deliver them; a call given its ``owner`` never asks the group's directory.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class _RpcCounter:
     def __init__(self) -> None:
         self.count = 0
         world = pd.get_world()
-        assert world is not None and world.rpc_transport is not None
+        assert world is not None
+        assert world.rpc_transport is not None
         self._backend = world.rpc_transport
         self._orig = {n: getattr(self._backend, n) for n in self._SENDS}
 

@@ -39,7 +39,9 @@ def _transports(rank: int) -> dict[str, Any]:
         os.environ.pop(key, None)
     out: dict[str, Any] = {}
     for label, kwargs in (("default", {}), ("busy_poll", {"rpc_busy_poll": True})):
-        solo = pd.World(name=f"tp_{label}", dist_timeout=15, rpc_timeout=15, rpc_backend="tensorpipe", **kwargs)
+        solo = pd.World(
+            name=f"tp_{label}", dist_timeout=15, rpc_timeout=15, rpc_backend="tensorpipe", **kwargs
+        )
         group = solo.create_rpc_group("g", [solo.name])
         group.register("triple", _triple)
         out[label] = {

@@ -13,9 +13,9 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed.rpc as torch_rpc
 from server_models import HalvingScheduler, PlainSGD, ThreeLayer, Wide, backward_once
 
+import pc_distributed as pd
 from pc_server import (
     OrderedServerSimpleImpl,
     PushPullGradServerImpl,
@@ -27,25 +27,39 @@ BARRIER_S = 60.0
 
 
 class _CallCounter:
-    """Counts torch.distributed.rpc.rpc_sync / rpc_async / remote calls made by this process."""
+    """Counts the calls this process sends through its World's RPC backend (either backend) while active.
+
+    The World's backend is swapped for a proxy that counts ``call_sync``/``call``/``remote`` and hands every
+    attribute on to the backend; the World reads its backend at each call, so every RPC of pc-server counts.
+    """
+
+    _SENDS = frozenset(("call_sync", "call", "remote"))
 
     def __init__(self) -> None:
         self.count = 0
-        self._orig = {n: getattr(torch_rpc, n) for n in ("rpc_sync", "rpc_async", "remote")}
+        world = pd.get_world()
+        assert world is not None
+        assert world.rpc_transport is not None
+        self._world = world
+        self._backend = world.rpc_transport
+
+    def __getattr__(self, name: str) -> Any:  # the proxy's side: only for names the counter lacks
+        attr = getattr(self._backend, name)
+        if name not in self._SENDS:
+            return attr
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            self.count += 1
+            return attr(*a, **kw)
+
+        return counted
 
     def __enter__(self) -> _CallCounter:
-        for name, fn in self._orig.items():
-
-            def wrapper(*a: Any, _fn: Any = fn, **kw: Any) -> Any:
-                self.count += 1
-                return _fn(*a, **kw)
-
-            setattr(torch_rpc, name, wrapper)
+        self._world.rpc_transport = self  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name, fn in self._orig.items():
-            setattr(torch_rpc, name, fn)
+        self._world.rpc_transport = self._backend
 
 
 def _bump(model: torch.nn.Module) -> None:

@@ -157,7 +157,7 @@ def listen_socket(host: str, port: int) -> tuple[int, int]:
 
 
 def serve_store(host: str, port: int, fd: int, world_size: int, timeout: float) -> Any:
-    """Serve a master TCPStore on the listening socket ``fd`` (from :func:`listen_socket`), which it then owns.
+    """Serve a master TCPStore on the listening socket ``fd`` (from :func:`listen_socket`); it owns ``fd``.
 
     On failure the descriptor is closed.
     """

@@ -137,7 +137,7 @@ def _posted(work: Any) -> Any:
 def post_frame(
     group: Any, dst: int, kind: int, src: int, call_id: int, aux: int, data: bytes | None
 ) -> list[Any]:
-    """Post the sends of one frame to rank ``dst`` of the link ``group``; their ``Work`` objects, not waited for.
+    r"""Post the sends of one frame to rank ``dst`` of the link ``group``; their ``Work``\ s, not waited for.
 
     ``src`` is this member's rank in the transport (written into the header).
 

@@ -19,60 +19,61 @@ Data flow (one process; ``~~`` is a link's point-to-point ops, ``>>`` a queue)::
 
 **Frames** (:mod:`pc_distributed.rpc._c10d_frames`): a fixed-size header with the kind, the sender, the call
 id and the payload length, then the payload bytes as a uint8 tensor of its own (small payloads ride inside the
-header). The thread that sends a frame (a caller, a worker with a reply) posts its sends itself, one frame at a
-time per peer (a lock), so a header and its payload are adjacent on the link and a peer's frames arrive in the
-order they were posted. A posted send must stay alive until gloo has made it (a dropped ``Work`` is a send
+header). The thread that sends a frame (a caller, a worker with a reply) posts its sends itself, one frame at
+a time per peer (a lock), so a header and its payload are adjacent on the link and a peer's frames arrive in
+the order they were posted. A posted send must stay alive until gloo has made it (a dropped ``Work`` is a send
 never made), and posting does not wait for the peer: a request's sends stay with its call until the reply,
 which proves they were made (they are then dropped without a wait: no thread wakes for them); a worker waits
 for its reply's sends itself; keep-alives, releases, goodbyes and the sends of calls that end without a reply
-go to the peer's *lane*, a thread that waits for them in order. No caller is blocked by a slow or stalled peer.
+go to the peer's *lane*, a thread that waits for them in order. No caller is blocked by a slow or stalled
+peer.
 
 **The receivers.** One thread per peer receives that peer's next header on their link, then, for a large
 payload, the payload, and hands the frame on: requests to a small pool of worker threads that run the handler
 (never a receiver, so a handler may call back into its caller), replies to the waiting call. Nothing polls:
-every thread sleeps in a blocking wait that a frame, a queued item or a deadline ends. A receive posted for one
-given peer is announced to it at once, so a frame costs one message, not a notification round trip more.
+every thread sleeps in a blocking wait that a frame, a queued item or a deadline ends. A receive posted for
+one given peer is announced to it at once, so a frame costs one message, not a notification round trip more.
 
 **Why a link per pair** (gloo's ``transport/tcp/unbound_buffer.cc``, ``context.cc``, ``pair.cc``; torch's
 ``ProcessGroupGloo.cpp``): a failure in gloo is a failure of a whole group.
 
-- ``Work.wait()`` without a timeout is bounded by the group's timeout (gloo's context timeout), and a wait that
-  runs out does not just give up: gloo closes every pair of the group ("Application timeout caused pair
-  closure"). With one group for all members, one stalled peer would break the calls between all the others.
-  On a link, it breaks that link only: the stalled peer is lost, nobody else is.
+- ``Work.wait()`` without a timeout is bounded by the group's timeout (gloo's context timeout), and a wait
+  that runs out does not just give up: gloo closes every pair of the group ("Application timeout caused pair
+  closure"). With one group for all members, one stalled peer would break the calls between all the others. On
+  a link, it breaks that link only: the stalled peer is lost, nobody else is.
 - A receive from any source (one group for everyone, one receiver thread) is not ended by a peer's death, and
   on some torch releases a peer's death fails it (seen on torch 2.15: "Connection closed by peer" of the dead
   member in a survivor's any-source receive), which would again fail every peer. A receive on a link ends when
   that peer's connection closes, and fails only that peer.
-- ``Work.abort`` is not exposed to Python and ``Work.get_future`` is not implemented for gloo's
-  point-to-point ops, so a receive ends only by a frame, a closed connection or the link's timeout. This
-  transport never passes a timeout to ``wait`` and sends each peer a keep-alive ping when it has sent it nothing
-  for a quarter of ``link_timeout``, so a receive from a live peer always ends by a frame in time.
+- ``Work.abort`` is not exposed to Python and ``Work.get_future`` is not implemented for gloo's point-to-point
+  ops, so a receive ends only by a frame, a closed connection or the link's timeout. This transport never
+  passes a timeout to ``wait`` and sends each peer a keep-alive ping when it has sent it nothing for a quarter
+  of ``link_timeout``, so a receive from a live peer always ends by a frame in time.
 - Dropping a ``Work`` whose operation is still posted is memory-safe in gloo (it holds weak references to the
   buffer), but a send whose ``Work`` is dropped is never performed and the peer would wait for it; so every
   posted send is waited for, or proven made by the reply to it, before its ``Work`` is dropped.
 
-The cost is a gloo device (one event-loop thread) and a receiver thread per peer in each process, and
-``n * (n - 1) / 2`` rendezvous at start: fine for the tens of members RPC groups have, not for thousands.
+The cost is a gloo device (one event-loop thread) and a receiver thread per peer in each process, and one
+rendezvous per pair at start: fine for the tens of members RPC groups have, not for thousands.
 
-**Shutdown** (:meth:`C10dTransport.shutdown`) is a goodbye protocol. New calls are refused; calls in flight and
-running handlers get half the time to finish; then a goodbye frame, the last frame to that peer, goes to every
-peer not known to be gone. A member receiving a goodbye fails the calls it has pending on the sender
+**Shutdown** (:meth:`C10dTransport.shutdown`) is a goodbye protocol. New calls are refused; calls in flight
+and running handlers get half the time to finish; then a goodbye frame, the last frame to that peer, goes to
+every peer not known to be gone. A member receiving a goodbye fails the calls it has pending on the sender
 (``ConnectionError``), answers with its own goodbye unless it has sent one, and sends nothing more to it. A
 receiver ends once its peer said goodbye or is lost; the lanes, the workers and the housekeeper end on a
 sentinel, after what was queued before it; calls still pending fail with ``ConnectionError``. Peers that shut
 down at the same time exchange one goodbye each way.
 
 **A dead peer.** Its connection closes as soon as its process is gone: the receive from it and any send to it
-fail at once, which marks it lost and fails every call pending on it with ``ConnectionError`` naming it. A peer
-that dies mid-frame (header sent, payload not) fails the payload receive the same way. Nothing else is
+fail at once, which marks it lost and fails every call pending on it with ``ConnectionError`` naming it. A
+peer that dies mid-frame (header sent, payload not) fails the payload receive the same way. Nothing else is
 affected. Shutdown with a dead peer: its goodbye is skipped (it is lost) or fails at once, so shutdown stays
 bounded.
 
 **A stalled peer** (alive, not reading: SIGSTOP, a partition): calls to it fail at their own deadline with
-``TimeoutError`` naming it; a send to it stays posted in gloo, waited for by its lane; the receive from it runs
-out after ``link_timeout``, which closes that link and marks the peer lost, as does the housekeeper when it has
-heard nothing from it for ``link_timeout``. A lost peer stays lost for the transport's lifetime.
+``TimeoutError`` naming it; a send to it stays posted in gloo, waited for by its lane; the receive from it
+runs out after ``link_timeout``, which closes that link and marks the peer lost, as does the housekeeper when
+it has heard nothing from it for ``link_timeout``. A lost peer stays lost for the transport's lifetime.
 
 Trust: payloads are pickles, so a process that can join the links (reach the store) can make members run code.
 """
@@ -353,8 +354,9 @@ class C10dTransport:
         """Stop gracefully within ``timeout`` seconds (None or -1: the transport's default); idempotent.
 
         Refuses new calls, gives the calls in flight and the handlers running half the time to finish (none
-        with ``drain`` False: they fail with ``ConnectionError``), says goodbye to every peer, waits for their goodbyes (a peer that died is skipped: the send to it fails at
-        once), then fails whatever is still pending with ``ConnectionError`` and ends the threads.
+        with ``drain`` False: they fail with ``ConnectionError``), says goodbye to every peer, waits for their
+        goodbyes (a peer that died is skipped: the send to it fails at once), then fails whatever is still
+        pending with ``ConnectionError`` and ends the threads.
         Returns by the deadline even if a peer died or a handler never returns (such a thread is a daemon and
         is logged); the process group itself is the caller's to destroy, after this.
         """
@@ -839,7 +841,8 @@ class C10dTransport:
 def _check_link(link: Any, rank: int, other: int) -> None:
     """Check that ``link`` is a two-member process group in which this process has the expected rank."""
     if not all(callable(getattr(link, name, None)) for name in ("send", "recv", "rank", "size")):
-        raise TypeError(f"links[{other}] must be a torch.distributed process group, got {type(link).__name__}")
+        kind = type(link).__name__
+        raise TypeError(f"links[{other}] must be a torch.distributed process group, got {kind}")
     expected = int(rank > other)
     if link.size() != 2 or link.rank() != expected:
         raise ValueError(

@@ -63,7 +63,7 @@ class Connection:
         return _torch_dist.prefix_store(f"{self.prefix}/pg", client) if self.outlives_attempt else client
 
     def link_store(self, timeout: float) -> Any:
-        """The c10d RPC backend's store: a client of its own, scoped to this World (keys ``<prefix>/links``)."""
+        """The c10d RPC backend's store: a client of its own, scoped to this World (``<prefix>/links``)."""
         client = _torch_dist.store_client(self.raw, timeout) or self.raw
         return _torch_dist.prefix_store(f"{self.prefix}/links", client)
 

@@ -31,7 +31,6 @@ import torch
 
 from pc_distributed import _torch_dist
 from pc_distributed._checks import positive_int, positive_seconds
-from pc_distributed.rpc._backend import choose_backend
 from pc_distributed._errors import (
     RankDiedError,
     add_note,
@@ -39,6 +38,7 @@ from pc_distributed._errors import (
     portable_exception,
     reraise_remote,
 )
+from pc_distributed.rpc._backend import choose_backend
 
 __all__ = ["run_world"]
 
@@ -75,7 +75,7 @@ class _RankJob:
     def run(self, rank: int, conn: Any) -> None:
         """The rank process's body: start the World, run ``fn``, send the result on ``conn``, stop."""
         if self.inherited_fd is not None:
-            os.close(self.inherited_fd)  # the parent's store listens on it: a copy here would outlive the store
+            os.close(self.inherited_fd)  # the parent's store listens on it: a copy here would outlive it
         os.environ.update({**self.env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
         from pc_distributed.world.world import World
 
@@ -176,7 +176,8 @@ def run_world(
     Raises:
         TypeError: If ``fn`` is not picklable by reference or an argument has the wrong type.
         ValueError: If an argument is out of range, ``rpc_backend`` names no backend, or
-            ``start_method="fork"`` with TensorPipe's RPC where CUDA is available (forked ranks cannot start it).
+            ``start_method="fork"`` with TensorPipe's RPC where CUDA is available (forked ranks cannot start
+            it).
         Exception: The first failing rank's exception, with its original type where it pickles (else a
             ``RuntimeError``), a note naming the rank and the remote traceback as ``__cause__``.
         RankDiedError: If a rank died (signal or ``os._exit``) before returning.

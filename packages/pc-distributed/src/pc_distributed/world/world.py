@@ -11,11 +11,11 @@ arrivals), ``waits`` (one connection per blocking wait, see ``_store_waits``) an
 own; no thread's wait ever stalls another thread's request.
 
 The World owns what lives as long as it does: its RPC backend (``rpc_transport``, the transport its RPC
-groups' calls travel on: ``rpc._tensorpipe`` or ``rpc._c10d``, as ``rpc_backend`` chose), its RPC groups, their tables of paired values and services
-(:attr:`World.rpc_tables`, what incoming calls run on) and its collective groups. It hands itself to the
-groups at creation (they see it through the ``GroupHost`` protocol of ``_host`` and never import this
-module). Timeouts follow the package's convention (``_transport``): ``None`` is the World's default, ``-1``
-another name for it.
+groups' calls travel on: ``rpc._tensorpipe`` or ``rpc._c10d``, as ``rpc_backend`` chose), its RPC groups,
+their tables of paired values and services (:attr:`World.rpc_tables`, what incoming calls run on) and its
+collective groups. It hands itself to the groups at creation (they see it through the ``GroupHost`` protocol
+of ``_host`` and never import this module). Timeouts follow the package's convention (``_transport``):
+``None`` is the World's default, ``-1`` another name for it.
 """
 
 from __future__ import annotations
