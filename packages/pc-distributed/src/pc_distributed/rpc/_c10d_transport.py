@@ -4,7 +4,8 @@ One :class:`C10dTransport` per process carries calls between the members of a Wo
 public point-to-point ops of gloo process groups (``ProcessGroup.send``/``recv``); it never touches
 ``torch.distributed.rpc``. Each pair of members has a *link*, a gloo process group of its own two members
 (:func:`pc_distributed._torch_dist.pair_link`). Requests ``(fn, args, kwargs)``, results and exceptions are
-pickled with pc-pickle, so lambdas and closures travel, and CUDA tensors travel by value through host memory
+pickled by :mod:`~._c10d_codec`: by name where a name loads (as torch's RPC does), by value with pc-pickle
+where not (lambdas, closures) and for tensors, so CUDA tensors travel by value through host memory
 (gloo's point-to-point ops abort the process on a CUDA tensor, so only host tensors are ever handed to them:
 :func:`check_host_tensor`).
 
@@ -93,9 +94,9 @@ from typing import Any
 
 import torch
 
-import pc_pickle
 from pc_distributed._checks import int_in_range, optional_timeout, positive_int, positive_seconds
 from pc_distributed._errors import format_exception, portable_exception, reraise_remote
+from pc_distributed.rpc._c10d_codec import decode, encode
 from pc_distributed.rpc._c10d_frames import (
     BYE,
     CALL,
@@ -135,18 +136,6 @@ def default_handler(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     The World gives its own handler (service and function dispatch); this one serves plain function calls.
     """
     return fn(*args, **kwargs)
-
-
-def _dumps(obj: Any, what: str) -> bytes:
-    """Pickle ``obj`` with pc-pickle (tensors copied; CUDA tensors move through host memory).
-
-    Raises:
-        TypeError: If something in ``obj`` cannot be pickled (the message starts with its access path).
-    """
-    try:
-        return pc_pickle.dumps(obj)
-    except pc_pickle.UnpicklableObjectError as exc:
-        raise TypeError(f"{what} cannot be pickled: {exc}") from exc
 
 
 class C10dTransport:
@@ -284,7 +273,7 @@ class C10dTransport:
         Args:
             to_rank: The member's rank in the group (this process's own rank runs the call here, on a worker,
                 on a copy of the arguments).
-            fn: What to run (pickled with pc-pickle: lambdas and closures work).
+            fn: What to run (by name, or by value where it has no loadable name: lambdas and closures work).
             args: Positional arguments.
             kwargs: Keyword arguments.
             timeout: Seconds until the reply (None or -1: the transport's default).
@@ -431,7 +420,7 @@ class C10dTransport:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
         self._check_reachable(to_rank)
-        data = _dumps((fn, tuple(args), dict(kwargs or {})), f"the {what} to {self._who(to_rank)}")
+        data = encode((fn, tuple(args), dict(kwargs or {})), f"the {what} to {self._who(to_rank)}")
         return self._register_and_send(to_rank, kind, data, seconds, what, aux=0)
 
     def _check_reachable(self, to_rank: int) -> None:
@@ -484,7 +473,7 @@ class C10dTransport:
                 obj: Any = None
                 if payload is not None:
                     try:
-                        obj = pc_pickle.loads(payload_bytes(payload))
+                        obj = decode(payload_bytes(payload))
                     finally:
                         self._buffers.give(payload)  # the bytes are unpickled: the buffer may be reused
                 pending.decoded = (kind, obj)
@@ -681,7 +670,7 @@ class C10dTransport:
                     if payload is None:  # pragma: no cover - a request always has a payload
                         raise ValueError("a request frame came without its payload")
                     try:
-                        fn, args, kwargs = pc_pickle.loads(payload_bytes(payload))
+                        fn, args, kwargs = decode(payload_bytes(payload))
                     finally:
                         self._buffers.give(payload)
                     del payload
@@ -690,7 +679,7 @@ class C10dTransport:
                     self._keep(key, value)
                     value = None
                 reply_kind = VALUE
-                reply = None if value is None else _dumps(value, f"the result for {self._who(src)}")
+                reply = None if value is None else encode(value, f"the result for {self._who(src)}")
             except Exception as exc:
                 if kind == REMOTE:
                     with self._lock:
@@ -708,9 +697,9 @@ class C10dTransport:
     def _error_payload(exc: BaseException) -> bytes:
         text = format_exception(exc)
         try:
-            return pc_pickle.dumps((portable_exception(exc), text))
-        except Exception:  # an exception that survives pickle but not pc-pickle's copy of it
-            return pc_pickle.dumps((RuntimeError(f"{type(exc).__qualname__}: {exc}"), text))
+            return encode((portable_exception(exc), text), "the error")
+        except Exception:  # an exception that survives pickle but not its copy here
+            return encode((RuntimeError(f"{type(exc).__qualname__}: {exc}"), text), "the error")
 
     def _keep(self, key: tuple[int, int], value: Any) -> None:
         with self._lock:
