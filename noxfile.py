@@ -177,6 +177,26 @@ def tests(session: nox.Session) -> None:
     _pytest(session, *[f"packages/{p}/tests" for p in PACKAGES], "tests-integration", marker="not multihost")
 
 
+# The suites that make RPC calls, run again on the c10d RPC backend (the other sessions run on the default,
+# TensorPipe): pc-distributed's and pc-server's tests and the integration tests under torchrun and of the docs.
+C10D_SUITES = [
+    "packages/pc-distributed/tests",
+    "packages/pc-server/tests",
+    "tests-integration/test_integration_torchrun.py",
+    "tests-integration/test_integration_server_torchrun.py",
+    "tests-integration/test_integration_server_worker_death.py",
+    "tests-integration/test_integration_docs.py",
+]
+
+
+@nox.session(name="rpc-c10d")
+def rpc_c10d(session: nox.Session) -> None:
+    """The RPC suites (:data:`C10D_SUITES`) on the c10d RPC backend (``PC_RPC_BACKEND=c10d``)."""
+    _install_all(session, *DEMO_DEPS)
+    session.env["PC_RPC_BACKEND"] = "c10d"
+    _pytest(session, *C10D_SUITES, marker="not multihost")
+
+
 # The support matrix (docs/support.md): the floor, the torch current GPU images ship, and the newest release,
 # each on a Python it publishes wheels for. The pinned CPU build (constraints/cpu.txt) on Python 3.11 is the
 # fourth point: every other session. Moving the floor or adding a release changes only this list.
@@ -205,6 +225,9 @@ def compat(session: nox.Session, torch: str) -> None:
         "tests-integration/test_integration_imports.py",
         marker="not gpu and not multihost",
     )
+    # pc-distributed's and pc-server's suites again on the c10d RPC backend
+    session.env["PC_RPC_BACKEND"] = "c10d"
+    _pytest(session, *C10D_SUITES[:2], marker="not gpu and not multihost")
 
 
 @nox.session
@@ -380,8 +403,10 @@ def soak(session: nox.Session) -> None:
 
 # -- multihost (issue 15): simulated hosts, needs root; kept as its own block ---
 @nox.session
-def multihost(session: nox.Session) -> None:
-    """pc-distributed across simulated hosts (network namespaces + torchrun); needs root, skips without it."""
+@nox.parametrize("rpc_backend", ["tensorpipe", "c10d"])
+def multihost(session: nox.Session, rpc_backend: str) -> None:
+    """pc-distributed across simulated hosts (network namespaces + torchrun) on one RPC backend; needs root."""
     _install(session, *PACKAGES, *TEST_TOOLS, editable=True)
     _check_torch_build(session)
+    session.env["PC_RPC_BACKEND"] = rpc_backend
     _pytest(session, "tests-integration/test_integration_multihost.py", marker="multihost")
