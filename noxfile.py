@@ -178,7 +178,7 @@ def tests(session: nox.Session) -> None:
 
 
 # The suites that make RPC calls, run again on the c10d RPC backend (the other sessions run on the default,
-# TensorPipe): pc-distributed's and pc-server's tests and the integration tests under torchrun and of the docs.
+# TensorPipe): pc-distributed's and pc-server's tests, the integration tests under torchrun and the docs'.
 C10D_SUITES = [
     "packages/pc-distributed/tests",
     "packages/pc-server/tests",
@@ -405,7 +405,7 @@ def soak(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("rpc_backend", ["tensorpipe", "c10d"])
 def multihost(session: nox.Session, rpc_backend: str) -> None:
-    """pc-distributed across simulated hosts (network namespaces + torchrun) on one RPC backend; needs root."""
+    """pc-distributed across simulated hosts (network namespaces, torchrun) on one RPC backend; needs root."""
     _install(session, *PACKAGES, *TEST_TOOLS, editable=True)
     _check_torch_build(session)
     session.env["PC_RPC_BACKEND"] = rpc_backend

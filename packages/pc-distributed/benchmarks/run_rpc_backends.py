@@ -19,9 +19,11 @@ samples of all rounds are pooled and compared by medians. ``run_world`` has no `
 busy-polling Worlds' ranks stop the World ``run_world`` made (no RPC, no process group) and make their own on
 the same store (``World.stop``: "afterwards a new World may be created").
 
-Targets (issue 32): a small call on c10d at most 1.0x TensorPipe TCP-only's time, and 4 MB on c10d at least
-0.8x the raw send/recv bandwidth; TensorPipe's (both) against the floor are reported for context. Times are
-only reported, never asserted. Usage: ``python run_rpc_backends.py [--quick] [--out results.json]``.
+Targets (issue 32): a small call on c10d at most 1.0x TensorPipe TCP-only's time (pooled medians), and 4 MB on
+c10d at least 0.8x the raw send/recv bandwidth (per c10d World, the median over its side-by-side samples of
+raw time / c10d time; the median over the Worlds: the machine's load changes from World to World, and the
+floor moves with it); TensorPipe's (both) against the floor are reported for context. A World that fails is
+recorded in a note and its backend skipped from then on. Times are only reported, never asserted. Usage: ``python run_rpc_backends.py [--quick] [--out results.json]``.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def _raw_round_trip(link: Any, rank: int, tensor: torch.Tensor) -> None:
 
 
 def _measure(rank: int, quick: bool) -> dict[str, dict[str, list[float]]]:
-    """In this World: per case, rank 0's seconds per call of the RPC and of the raw round trip, interleaved."""
+    """In this World: per case, rank 0's seconds per call and per raw round trip, interleaved."""
     torch.set_num_threads(1)
     world = pd.get_world()
     assert world is not None
@@ -171,72 +173,109 @@ def _run(variant: str, quick: bool) -> dict[str, dict[str, list[float]]]:
     return results[0]  # type: ignore[no-any-return]
 
 
+def _paired(rpc: list[float], raw: list[float]) -> float:
+    """The median over one World's adjacent samples of raw time / call time (a bandwidth ratio)."""
+    return statistics.median(r / c for c, r in zip(rpc, raw, strict=True))
+
+
 def main() -> None:
     args = bench_args("pc-distributed")
     report = Report("pc-distributed")
     started = time.perf_counter()
-    rounds = 1 if args.quick else 4
+    rounds = 1 if args.quick else 3
     variants = list(BACKENDS)
-    # samples[case][variant]: every round's samples; raw[variant][case]: the floor measured in that World
+    # samples[case][variant]: every round's calls; raw[variant][case]: the floor measured in that World;
+    # paired[case]: per c10d World, raw / c10d of the samples taken side by side
     samples: dict[str, dict[str, list[float]]] = {c: {v: [] for v in variants} for c in CASES}
     raw: dict[str, dict[str, list[float]]] = {v: {c: [] for c in CASES} for v in variants}
+    paired: dict[str, list[float]] = {c: [] for c in CASES}
+    failed: dict[str, str] = {}
     for r in range(rounds):
         for variant in variants if r % 2 == 0 else variants[::-1]:
-            got = _run(variant, args.quick)
+            if variant in failed:
+                continue
+            try:
+                got = _run(variant, args.quick)
+            except Exception as exc:
+                failed[variant] = f"round {r + 1}: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+                continue
             for case in CASES:
                 samples[case][variant] += got[case]["rpc"]
                 raw[variant][case] += got[case]["raw"]
-    med = {c: {v: statistics.median(s) for v, s in by.items()} for c, by in samples.items()}
-    floor = {c: statistics.median(raw["c10d"][c]) for c in CASES}
+                if variant == "c10d":
+                    paired[case].append(_paired(got[case]["rpc"], got[case]["raw"]))
+    measured = [v for v in variants if v not in failed]
+    med = {c: {v: statistics.median(samples[c][v]) for v in measured} for c in CASES}
+    floor = {c: statistics.median(raw["c10d"][c]) for c in CASES} if "c10d" in measured else {}
     small, big = med["small"], med["4 MB"]
 
     case = "issue 32: echo of a 64 B tensor, 2 processes"
-    for variant in variants:
+    for variant in measured:
         report.row(case, LABELS[variant], small[variant], baseline=variant == "tensorpipe")
-    report.row(case, LABELS["raw"], floor["small"])
+    if floor:
+        report.row(case, LABELS["raw"], floor["small"])
     case = "issue 32: echo of a 4 MB tensor, 2 processes"
-    for variant in variants:
+    for variant in measured:
         report.row(case, LABELS[variant], MOVED / big[variant] / 1e9, "GB/s", higher_is_better=True)
-    report.row(case, LABELS["raw"], MOVED / floor["4 MB"] / 1e9, "GB/s", baseline=True, higher_is_better=True)
+    if floor:
+        report.row(
+            case, LABELS["raw"], MOVED / floor["4 MB"] / 1e9, "GB/s", baseline=True, higher_is_better=True
+        )
 
-    ratio = small["c10d"] / small["tensorpipe"]
-    report.target(
-        "(issue 32) c10d small call / TensorPipe TCP-only",
-        ratio,
-        "<=",
-        1.0,
-        note="" if ratio <= 1.0 else f"c10d {small['c10d'] * 1e6:.0f} us vs {small['tensorpipe'] * 1e6:.0f} us",
-    )
-    bandwidth = floor["4 MB"] / big["c10d"]
-    report.target(
-        "(issue 32) c10d 4 MB bandwidth / raw send+recv",
-        bandwidth,
-        ">=",
-        0.8,
-        note="" if bandwidth >= 0.8 else f"c10d {MOVED / big['c10d'] / 1e9:.2f} GB/s vs the floor's "
-        f"{MOVED / floor['4 MB'] / 1e9:.2f} GB/s",
-    )
+    for variant, why in failed.items():
+        report.note(f"issue 32: the {variant} World failed ({why}); {variant} skipped since")
+    name = "(issue 32) c10d small call / TensorPipe TCP-only"
+    if {"c10d", "tensorpipe"} <= set(measured):
+        ratio = small["c10d"] / small["tensorpipe"]
+        why = f"c10d {small['c10d'] * 1e6:.0f} us vs {small['tensorpipe'] * 1e6:.0f} us (medians)"
+        report.target(name, ratio, "<=", 1.0, note="" if ratio <= 1.0 else why)
+    else:
+        report.target(
+            name, float("inf"), "<=", 1.0, note=f"not measured: a World failed ({', '.join(failed)})"
+        )
+    name = "(issue 32) c10d 4 MB bandwidth / raw send+recv"
+    if floor:
+        bandwidth = statistics.median(paired["4 MB"])
+        why = (
+            f"c10d {MOVED / big['c10d'] / 1e9:.2f} GB/s vs the floor's "
+            f"{MOVED / floor['4 MB'] / 1e9:.2f} GB/s (medians)"
+        )
+        report.target(name, bandwidth, ">=", 0.8, note="" if bandwidth >= 0.8 else why)
+        report.note(
+            "issue 32: the 4 MB target's value is the median over the c10d Worlds of the median, over their "
+            "adjacent samples, of raw time / c10d time (per World: "
+            + ", ".join(f"{x:.3f}" for x in paired["4 MB"])
+            + f"); the pooled medians give {floor['4 MB'] / big['c10d']:.3f}. Small call, c10d / floor the "
+            "same way: " + ", ".join(f"{1 / x:.2f}x" for x in paired["small"])
+        )
+        report.note(
+            "issue 32, for context (pooled medians; the floor measured in the c10d Worlds): small call / "
+            "floor: "
+            + ", ".join(f"{v} {small[v] / floor['small']:.2f}x" for v in measured)
+            + "; 4 MB bandwidth / floor: "
+            + ", ".join(f"{v} {floor['4 MB'] / big[v]:.2f}x" for v in measured)
+        )
+    else:
+        report.target(name, 0.0, ">=", 0.8, note="not measured: the c10d World failed")
+    if {"tensorpipe", "busy_poll"} <= set(measured):
+        report.note(
+            "issue 32: TensorPipe busy poll / TCP only: small call "
+            f"{small['busy_poll'] / small['tensorpipe']:.2f}x the time, 4 MB "
+            f"{big['tensorpipe'] / big['busy_poll']:.2f}x the bandwidth"
+        )
     report.note(
-        "issue 32, for context (medians; the floor measured in the c10d Worlds): small call / floor: "
-        + ", ".join(f"{v} {small[v] / floor['small']:.2f}x" for v in variants)
-        + "; 4 MB bandwidth / floor: "
-        + ", ".join(f"{v} {floor['4 MB'] / big[v]:.2f}x" for v in variants)
-        + f"; TensorPipe busy poll / TCP only: small {small['busy_poll'] / small['tensorpipe']:.2f}x time, "
-        f"4 MB {big['tensorpipe'] / big['busy_poll']:.2f}x bandwidth"
-    )
-    report.note(
-        "issue 32: the floor measured in each backend's Worlds (small us, 4 MB GB/s): "
+        "issue 32: the floor measured in each backend's Worlds (small round trip, 4 MB): "
         + ", ".join(
             f"{v} {statistics.median(raw[v]['small']) * 1e6:.0f} us, "
             f"{MOVED / statistics.median(raw[v]['4 MB']) / 1e9:.2f} GB/s"
-            for v in variants
+            for v in measured
         )
     )
-    n = {c: len(samples[c]["c10d"]) for c in CASES}
+    (small_n, small_reps), (big_n, big_reps) = _sizes(args.quick).values()
     report.note(
-        f"issue 32: {rounds} round(s) of Worlds (c10d, TensorPipe TCP only, TensorPipe busy poll; order "
-        f"reversed every other round), {n['small']} samples of {_sizes(args.quick)['small'][0]} small calls "
-        f"and {n['4 MB']} of {_sizes(args.quick)['4 MB'][0]} 4 MB calls per variant; total run time "
+        f"issue 32: {rounds} round(s) of Worlds (c10d, TensorPipe TCP only, TensorPipe busy poll; the order "
+        f"reversed every other round), each {small_reps} samples of {small_n} small calls and {big_reps} of "
+        f"{big_n} 4 MB calls per variant, interleaved with the floor's; total run time "
         f"{time.perf_counter() - started:.1f} s, quick={args.quick}"
     )
     report.finish(args)

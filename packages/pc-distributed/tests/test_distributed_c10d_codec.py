@@ -1,4 +1,4 @@
-"""The c10d backend's pickling: by name where a name loads (as torch's RPC), by value where not, tensors aside."""
+"""The c10d backend's pickling: by name where a name loads (as torch's RPC), else by value; tensors aside."""
 
 from __future__ import annotations
 

@@ -72,3 +72,36 @@ def test_cuda_tensors_cross_gloo_point_to_point_through_the_host(cuda_devices: i
     # process.
     results = pd.run_world(_gloo_cuda_point_to_point, 2, backend="gloo", init_rpc=False, timeout=170)
     assert results[1] == {"sender": 0, "got": [0.0, 1.0, 2.0, 3.0], "later": [7.0, 7.0], "device": "cuda:0"}
+
+
+def _doubled_with_device(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    return t * 2, str(t.device)
+
+
+def _c10d_cuda_calls(rank: int) -> dict[str, Any]:
+    world = pd.get_world()
+    assert world is not None
+    group = world.create_rpc_group("cuda", ["0", "1"])
+    if rank == 1:
+        group.register("double", _doubled_with_device)
+    group.barrier(timeout=60)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        sent = torch.arange(4.0, device="cuda:0")
+        value, seen = group.registered_sync("double", args=(sent,))
+        out["sync"] = (value.device.type, value.cpu().tolist(), seen)
+        value, seen = group.remote("1", _doubled_with_device, args=(sent,)).to_here()
+        out["remote"] = (value.device.type, value.cpu().tolist(), seen)
+        out["lambda"] = group.rpc_sync("1", lambda t: (t + 1).device.type, args=(sent,))
+    group.barrier(timeout=60)
+    return out
+
+
+@pytest.mark.gpu
+def test_c10d_backend_carries_cuda_tensors_both_ways(cuda_devices: int) -> None:
+    """On the c10d RPC backend a CUDA tensor crosses a call and comes back on CUDA (two ranks, one GPU)."""
+    results = pd.run_world(_c10d_cuda_calls, 2, rpc_backend="c10d", timeout=170)
+    expected = ("cuda", [0.0, 2.0, 4.0, 6.0], "cuda:0")
+    assert results[0]["sync"] == expected
+    assert results[0]["remote"] == expected
+    assert results[0]["lambda"] == "cuda"
