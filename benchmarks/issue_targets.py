@@ -99,6 +99,30 @@ ISSUE_TARGETS: tuple[IssueTarget, ...] = (
     IssueTarget(
         "pc-distributed", "registered_sync vs a raw rpc_sync", "registered_sync vs raw rpc_sync", "<=", 1.05
     ),
+    # Issue 32 ("RPC groups on torch.distributed's process groups"): the c10d RPC backend against TensorPipe
+    # and against raw gloo point-to-point ops (packages/pc-distributed/benchmarks/run_rpc_backends.py), and
+    # the gradient server on both backends (packages/pc-server/benchmarks/run_backends.py).
+    IssueTarget(
+        "pc-distributed",
+        "(issue 32) small registered_sync on the c10d backend / on TensorPipe TCP-only",
+        "(issue 32) c10d small call / TensorPipe TCP-only",
+        "<=",
+        1.0,
+    ),
+    IssueTarget(
+        "pc-distributed",
+        "(issue 32) 4 MB tensor registered_sync on the c10d backend: bandwidth / raw gloo send+recv",
+        "(issue 32) c10d 4 MB bandwidth / raw send+recv",
+        ">=",
+        0.8,
+    ),
+    IssueTarget(
+        "pc-server",
+        "(issue 32) gradient server scaling, 1, 2, 4 clients: on c10d no worse than on TensorPipe TCP-only",
+        "(issue 32) grad server scaling on c10d vs TensorPipe TCP-only",
+        ">=",
+        1.0,
+    ),
     IssueTarget(
         "pc-assigner", "mean cost / proven optimum", "mean cost / proven optimum (auto)", "<=", 1.001
     ),

@@ -23,7 +23,8 @@ Targets (issue 32): a small call on c10d at most 1.0x TensorPipe TCP-only's time
 c10d at least 0.8x the raw send/recv bandwidth (per c10d World, the median over its side-by-side samples of
 raw time / c10d time; the median over the Worlds: the machine's load changes from World to World, and the
 floor moves with it); TensorPipe's (both) against the floor are reported for context. A World that fails is
-recorded in a note and its backend skipped from then on. Times are only reported, never asserted. Usage: ``python run_rpc_backends.py [--quick] [--out results.json]``.
+recorded in a note and its backend skipped from then on. Times are only reported, never asserted.
+Usage: ``python run_rpc_backends.py [--quick] [--out results.json]``.
 """
 
 from __future__ import annotations
@@ -74,14 +75,15 @@ def _sizes(quick: bool) -> dict[str, tuple[int, int]]:
 
 def _raw_link(rank: int) -> Any:
     """A gloo pair link of the two ranks, on the store ``run_world`` serves (its own keys)."""
-    client = dist.TCPStore(
+    client = dist.TCPStore(  # type: ignore[attr-defined]
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         is_master=False,
         wait_for_workers=False,
         timeout=timedelta(seconds=WAIT),
     )
-    return pair_link(dist.PrefixStore("bench/raw", client), rank, 1 - rank, WAIT)
+    store = dist.PrefixStore("bench/raw", client)  # type: ignore[attr-defined]
+    return pair_link(store, rank, 1 - rank, WAIT)
 
 
 def _raw_round_trip(link: Any, rank: int, tensor: torch.Tensor) -> None:
@@ -182,7 +184,7 @@ def main() -> None:
     args = bench_args("pc-distributed")
     report = Report("pc-distributed")
     started = time.perf_counter()
-    rounds = 1 if args.quick else 3
+    rounds = 1 if args.quick else 4
     variants = list(BACKENDS)
     # samples[case][variant]: every round's calls; raw[variant][case]: the floor measured in that World;
     # paired[case]: per c10d World, raw / c10d of the samples taken side by side

@@ -147,7 +147,10 @@ def main() -> None:
                 )
     name = "(issue 32) grad server scaling on c10d vs TensorPipe TCP-only"
     for backend, why in failed.items():
-        report.note(f"issue 32 grad server: the {backend} world failed ({why}); {backend} skipped since")
+        report.note(
+            f"issue 32 grad server: the {backend} world failed ({why}); {backend} skipped since (the "
+            "ranks' stderr has the transport's log of what failed first)"
+        )
     if failed:
         report.target(name, 0.0, ">=", 1.0, note=f"not measured: a world failed ({', '.join(failed)})")
     else:

@@ -220,10 +220,10 @@ class Buffers:
         if nbytes < self._min_bytes:
             return torch.empty(nbytes, dtype=torch.uint8)
         with self._lock:
-            fits = [b for b in self._free if nbytes <= b.numel() <= 2 * nbytes]
+            # by position: list.remove would compare tensors with ==, element by element
+            fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
             if fits:
-                buffer = min(fits, key=lambda b: b.numel())
-                self._free.remove(buffer)
+                buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
             else:
                 buffer = torch.empty(nbytes, dtype=torch.uint8)
             view = buffer[:nbytes]

@@ -596,7 +596,7 @@ class C10dTransport:
                 try:
                     # keep-alives end the wait before the link's timeout
                     header = receive_header(peer.link, peer.link_rank)
-                except RuntimeError as exc:
+                except Exception as exc:  # torch's RuntimeError: the connection closed or the link timed out
                     self._lose(peer.rank, f"receiving from it failed ({exc})")
                     return
                 if isinstance(header, str) or header.src != peer.rank:
@@ -607,8 +607,8 @@ class C10dTransport:
                 if payload is None and header.nbytes:
                     try:
                         payload = receive_payload(peer.link, peer.link_rank, header.nbytes, self._buffers)
-                    except RuntimeError as exc:
-                        self._lose(peer.rank, f"it failed mid-frame ({exc})")
+                    except Exception as exc:  # its connection closed mid-frame, or no buffer for the payload
+                        self._lose(peer.rank, f"receiving a frame's payload from it failed ({exc})")
                         return
                 self._on_frame(peer.rank, header.kind, header.call_id, header.aux, payload)
         finally:
