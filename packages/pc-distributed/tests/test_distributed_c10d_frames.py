@@ -1,9 +1,11 @@
-"""The c10d transport's frames: the receive buffers it reuses for large payloads (no processes needed)."""
+"""The c10d transport's receive buffers and links, without other processes."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from pc_distributed import _torch_dist
 from pc_distributed.rpc._c10d_frames import Buffers
 
 
@@ -33,3 +35,13 @@ def test_buffers_keep_at_most_their_budget_and_ignore_what_they_did_not_lend() -
     small = buffers.take(100)  # under min_bytes: never kept
     buffers.give(small)
     assert buffers.take(100).numel() == 100
+
+
+def test_a_link_is_a_two_member_gloo_group_and_needs_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _torch_dist.master_store("127.0.0.1", 0, 1, 10)
+    # the peer never arrives: gloo's own rendezvous gives up after the link's timeout
+    with pytest.raises(RuntimeError):
+        _torch_dist.pair_link(store, 0, 1, 0.5)
+    monkeypatch.setattr(_torch_dist, "_ProcessGroupGloo", None)
+    with pytest.raises(RuntimeError, match="no gloo"):
+        _torch_dist.pair_link(store, 0, 1, 0.5)

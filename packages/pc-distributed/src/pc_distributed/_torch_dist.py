@@ -100,6 +100,8 @@ def pair_link(store: Any, me: int, other: int, timeout: float) -> Any:
     Raises:
         RuntimeError: torch's error if the peer does not arrive within ``timeout`` or gloo is not built in.
     """
+    if _ProcessGroupGloo is None:
+        raise RuntimeError("this torch build has no gloo, which the c10d RPC backend's links need")
     low, high = sorted((me, other))
     scoped = _PrefixStore(f"link/{low}-{high}", store)
     return _ProcessGroupGloo(scoped, 0 if me == low else 1, 2, timedelta(seconds=timeout))
