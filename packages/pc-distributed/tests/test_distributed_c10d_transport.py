@@ -344,11 +344,13 @@ def _only_peer_killed(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]
     if rank == 1:
         _kill_myself()
     started = time.monotonic()
-    with pytest.raises((ConnectionError, TimeoutError), match="'w1'"):
-        # the receiver's read of the closed pair or the next keep-alive marks w1 lost; the call's own
-        # deadline is the last resort
-        t.call_sync(1, os.getpid, timeout=20)
+    # its connection closing ends the receive from it: w1 is lost without a call (a call sent at once could
+    # still be served in the moment before the kill; a call to a member dying while serving it is in
+    # test_peer_killed_mid_call_is_named_and_shutdown_stays_bounded)
+    out["lost"] = t._wait_lost(1, 30)
     out["failed_after"] = time.monotonic() - started
+    with pytest.raises(ConnectionError, match="'w1'"):
+        t.call_sync(1, os.getpid, timeout=20)
     started = time.monotonic()
     t.shutdown(timeout=3)
     out["shutdown_after"] = time.monotonic() - started
@@ -360,7 +362,8 @@ def test_shutdown_with_the_only_peer_dead_is_bounded_and_leaves_no_thread() -> N
     results = run_ranks(_only_peer_killed, 2, barrier=False, may_die=(1,), link_timeout=6.0)
     assert results[1] == DIED
     out = results[0]
-    assert out["failed_after"] < 20
+    assert out["lost"] is not None
+    assert out["failed_after"] < 30
     assert out["shutdown_after"] < 6
     assert out["threads"] == []
 
@@ -371,7 +374,8 @@ def _all_peers_killed(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]
     if rank > 0:
         _kill_myself()
     for peer in (1, 2):
-        with pytest.raises((ConnectionError, TimeoutError), match=f"'w{peer}'"):
+        out[f"lost {peer}"] = t._wait_lost(peer, 30)  # before the link's timeout (60 s): by the closing
+        with pytest.raises(ConnectionError, match=f"'w{peer}'"):
             t.call_sync(peer, os.getpid, timeout=20)
     started = time.monotonic()
     t.shutdown(timeout=3)
@@ -384,6 +388,8 @@ def test_shutdown_with_every_peer_dead_returns_in_time_and_leaves_no_thread() ->
     # a link timeout longer than the test's bounds: nothing may wait for it
     results = run_ranks(_all_peers_killed, 3, barrier=False, may_die=(1, 2), link_timeout=60.0)
     assert results[1:] == [DIED, DIED]
+    assert results[0]["lost 1"] is not None
+    assert results[0]["lost 2"] is not None
     assert results[0]["shutdown_after"] < 6
     assert results[0]["threads"] == []
 
