@@ -7,7 +7,7 @@ public point-to-point ops of gloo process groups (``ProcessGroup.send``/``recv``
 pickled by :mod:`~._c10d_codec`: by name where a name loads (as torch's RPC does), by value with pc-pickle
 where not (lambdas, closures) and for tensors, so CUDA tensors travel by value through host memory
 (gloo's point-to-point ops abort the process on a CUDA tensor, so only host tensors are ever handed to them:
-:func:`check_host_tensor`).
+:func:`~._c10d_frames.check_host_tensor`).
 
 Data flow (one process; ``~~`` is a link's point-to-point ops, ``>>`` a queue)::
 
@@ -102,15 +102,12 @@ from pc_distributed.rpc._c10d_frames import (
     CALL,
     ERROR,
     FETCH,
-    HEADER_TAG,
-    PAYLOAD_TAG,
     PING,
     RELEASE,
     REMOTE,
     REQUESTS,
     VALUE,
     Buffers,
-    check_host_tensor,
     payload_bytes,
     post_frame,
     receive_header,
@@ -118,14 +115,7 @@ from pc_distributed.rpc._c10d_frames import (
 )
 from pc_distributed.rpc._c10d_state import STOP, Peer, PendingCall, Workers
 
-__all__ = [
-    "HEADER_TAG",
-    "PAYLOAD_TAG",
-    "C10dRemoteRef",
-    "C10dTransport",
-    "check_host_tensor",
-    "default_handler",
-]  # the tags and the host-tensor guard are the frames module's, re-exported for the transport's users
+__all__ = ["C10dRemoteRef", "C10dTransport", "default_handler"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +137,8 @@ class C10dTransport:
 
     Args:
         links: The link to each other member, by that member's rank: a gloo process group of the two, in which
-            the member with the lower rank is rank 0 (no other traffic may use the tags :data:`HEADER_TAG` and
-            :data:`PAYLOAD_TAG` on it).
+            the member with the lower rank is rank 0 (no other traffic may use the frames' tags on it,
+            :data:`~._c10d_frames.HEADER_TAG` and :data:`~._c10d_frames.PAYLOAD_TAG`).
         rank: This process's rank among the members.
         names: The members' names, by rank (used in errors).
         handler: Runs a request: ``handler(fn, args, kwargs)`` returns the value to send back or raises.
