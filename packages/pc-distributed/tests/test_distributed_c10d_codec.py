@@ -9,12 +9,17 @@ from typing import Any
 import pytest
 import torch
 
-from pc_distributed.rpc._c10d_codec import decode, encode
+from pc_distributed.rpc._c10d_codec import PART_MIN_BYTES, Encoded, decode, encode
 
 
 def _round_trip(obj: Any) -> tuple[bytes, Any]:
-    data = encode(obj, "the call")
-    return data[:1], decode(memoryview(data))
+    message = encode(obj, "the call")
+    return message.head[:1], decode(memoryview(message.head), _received(message))
+
+
+def _received(message: Encoded) -> tuple[torch.Tensor, ...]:
+    """The parts as a receiver has them: fresh memory with the same bytes."""
+    return tuple(p.clone() for p in message.parts)
 
 
 def named(x: int) -> int:
@@ -58,16 +63,95 @@ def test_lambdas_closures_and_local_classes_go_by_value() -> None:
     assert also is named  # the named function beside them still goes by name
 
 
-def test_tensors_are_set_aside_and_keep_their_sharing() -> None:
+def test_small_tensors_ride_in_the_plain_pickle_and_keep_their_sharing() -> None:
     t = torch.arange(6.0)
     view = t[2:]
-    form, (a, b, again) = _round_trip((t, view, t))
-    assert form != b"R"
+    message = encode((t, view, t), "the call")
+    assert message.head[:1] == b"R"  # nothing by value
+    assert message.parts == ()  # small storages are copied into the head
+    a, b, again = decode(memoryview(message.head))
     assert a is again
     assert torch.equal(a, t)
     assert torch.equal(b, view)
     assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
     assert a.data_ptr() != t.data_ptr()  # a copy, not the sender's memory
+
+
+def test_a_large_storage_is_one_part_read_from_the_tensors_own_memory() -> None:
+    big = torch.randn(PART_MIN_BYTES // 4, requires_grad=True)
+    matrix = big.detach().view(-1, 64).t()  # another view of the same storage, not contiguous
+    message = encode({"big": big, "matrix": matrix, "again": big}, "the call")
+    assert [p.numel() for p in message.parts] == [PART_MIN_BYTES]  # one part for the shared storage
+    assert message.parts[0].data_ptr() == big.data_ptr()  # no copy on the sending side
+    parts = _received(message)
+    out = decode(memoryview(message.head), parts)
+    assert out["again"] is out["big"]
+    assert torch.equal(out["big"], big)
+    assert out["big"].requires_grad
+    assert out["big"].is_leaf
+    assert torch.equal(out["matrix"], matrix)
+    assert out["matrix"].stride() == matrix.stride()
+    storage = out["big"].untyped_storage().data_ptr()
+    assert storage == out["matrix"].untyped_storage().data_ptr() == parts[0].data_ptr()  # owns the part
+
+
+def test_a_small_view_of_a_large_storage_sends_only_its_elements() -> None:
+    big = torch.arange(float(PART_MIN_BYTES))  # 4 x PART_MIN_BYTES bytes
+    head = big[:16]
+    message = encode((head,), "the call")
+    assert message.parts == ()  # a compact copy of 64 bytes, inline
+    (out,) = decode(memoryview(message.head))
+    assert torch.equal(out, head)
+    assert out.untyped_storage().nbytes() == 16 * 4
+
+
+def test_a_view_spanning_a_large_storage_sends_it_whole_and_later_views_share_it() -> None:
+    big = torch.arange(float(PART_MIN_BYTES))
+    column = big.view(-1, 8)[:, 3]  # one element in eight, but spanning the storage
+    head = big[:16]  # sent after it: a view of the storage already sent
+    message = encode((column, head), "the call")
+    assert [p.numel() for p in message.parts] == [big.untyped_storage().nbytes()]
+    out_column, out_head = decode(memoryview(message.head), _received(message))
+    assert torch.equal(out_column, column)
+    assert torch.equal(out_head, head)
+    assert out_head.untyped_storage().data_ptr() == out_column.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.zeros(0, 3),
+        torch.arange(10, dtype=torch.int16),
+        torch.tensor([True, False]),
+        torch.randn(3, 4).to(torch.bfloat16),
+        torch.randn(4, 4, dtype=torch.complex64).conj(),
+        torch.randn(2, 3).to_sparse(),
+        torch.nn.Parameter(torch.randn(3)),
+    ],
+    ids=["empty", "int16", "bool", "bfloat16", "conjugated", "sparse", "parameter"],
+)
+def test_every_kind_of_tensor_arrives_equal_with_its_type(tensor: torch.Tensor) -> None:
+    _, (out,) = _round_trip((tensor,))
+    assert type(out) is type(tensor)
+    assert (out.dtype, out.shape, out.layout) == (tensor.dtype, tensor.shape, tensor.layout)
+    assert out.requires_grad == tensor.requires_grad
+    assert torch.equal(out.detach().to_dense(), tensor.detach().to_dense())
+
+
+def test_a_snapshot_does_not_see_later_writes() -> None:
+    big = torch.zeros(PART_MIN_BYTES // 4)
+    message = encode((big,), "the call")
+    snapshot = message.snapshot()
+    big += 1
+    (as_sent,) = decode(memoryview(snapshot.head), snapshot.parts)
+    (read_late,) = decode(memoryview(message.head), message.parts)
+    assert float(as_sent.sum()) == 0.0
+    assert float(read_late.sum()) == big.numel()  # without the snapshot, the parts read the memory as it is
+
+
+def test_a_head_of_another_form_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="not a message of the c10d codec"):
+        decode(memoryview(b"Xjunk"))
 
 
 def test_what_only_dill_pickles_goes_whole_by_value() -> None:

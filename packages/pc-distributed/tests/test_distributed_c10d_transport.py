@@ -24,6 +24,7 @@ from c10d_testutils import DIED, make_links, run_ranks, store_barrier
 
 from pc_distributed._errors import RemoteTraceback
 from pc_distributed.rpc import _c10d_frames as frames
+from pc_distributed.rpc import _c10d_transport as transport_module
 from pc_distributed.rpc._c10d_frames import check_host_tensor
 from pc_distributed.rpc._c10d_transport import C10dTransport
 
@@ -142,6 +143,36 @@ def _happy(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
         th.join(120)
     out["callbacks"] = sorted(backs)
 
+    # every frame shape: a body too large for the header (both ways), with parts beside it, and parts sent
+    # from the caller's memory by call_sync but from a snapshot by call and remote, which return at once
+    posted: list[tuple[int, ...]] = []  # the parts' addresses of each request this thread sends
+    original = transport_module.post_frame
+
+    def recording(*args: Any) -> Any:
+        kind, message = args[2], args[-1]
+        if kind in (frames.CALL, frames.REMOTE):  # not the replies to the other ranks' calls
+            posted.append(tuple(p.data_ptr() for p in message.parts))
+        return original(*args)
+
+    transport_module.post_frame = recording
+    try:
+        blocks = [torch.full((1 << 15,), float(i)) for i in range(3)]  # 128 kB each: three parts
+        text = "x" * 5000  # a head of more than a header holds
+        shaped = t.call_sync(peers[0], lambda xs, s: (s * 2, [x + 1 for x in xs]), (blocks, text))
+        t.call(peers[0], lambda xs: None, (blocks,)).wait()
+        t.remote(peers[0], lambda xs: None, (blocks,)).wait_created()
+        sent_sync, sent_async, sent_remote = posted
+    finally:
+        transport_module.post_frame = original
+    mine_ptrs = {b.data_ptr() for b in blocks}
+    out["shapes"] = (
+        shaped[0] == text * 2,
+        all(torch.equal(x, b + 1) for x, b in zip(shaped[1], blocks, strict=True)),
+        set(sent_sync) == mine_ptrs,
+        len(sent_async) == 3 and not set(sent_async) & mine_ptrs,
+        len(sent_remote) == 3 and not set(sent_remote) & mine_ptrs,
+    )
+
     # a 16 MB tensor each way
     big = torch.randn(4 << 20, dtype=torch.float32)
     doubled = t.call_sync(peers[0], lambda x: x * 2, (big,), timeout=120)
@@ -191,6 +222,7 @@ def test_calls_threads_callbacks_large_payloads_and_remote_refs() -> None:
         assert out["hammer"] == (160, True)
         assert len(out["callbacks"]) == 6
         assert all(back_pid == pids[rank] for _, back_pid in out["callbacks"])
+        assert out["shapes"] == (True, True, True, True, True)
         assert out["big"] == (True, True)
         assert out["ref_value"] == [100 * rank + i for i in range(5)]
         assert out["ref_owner"] == (peers[0], f"w{peers[0]}", False)
@@ -394,13 +426,18 @@ def test_shutdown_with_every_peer_dead_returns_in_time_and_leaves_no_thread() ->
     assert results[0]["threads"] == []
 
 
-def _dies_mid_frame(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+def _dies_mid_frame(rank: int, t: C10dTransport, store: Any, missing: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     store_barrier(store, "up", [0, 1, 2], rank)
     if rank == 2:
-        # the words of a frame whose 1 MB payload never follows: the receiver waits for it from rank 2 only
+        # a frame whose 1 MB body, or 1 MB part, never follows: the receiver waits for it from rank 2 only
         header = bytearray(frames.HEADER_BYTES)
-        frames._WORDS.pack_into(header, 0, frames._MAGIC, frames.CALL, 2, 999, 0, 1 << 20, 0)
+        if missing == "body":
+            frames._WORDS.pack_into(header, 0, frames._MAGIC, frames.CALL, 2, 999, 0, 1 << 20, 0, 0)
+        else:  # the body (inline) announces one part of 1 MB
+            body = frames._SIZE.pack(1 << 20) + b"R"
+            frames._WORDS.pack_into(header, 0, frames._MAGIC, frames.CALL, 2, 999, 0, len(body), 1, 1)
+            header[frames._WORDS.size : frames._WORDS.size + len(body)] = body
         tensor = torch.frombuffer(header, dtype=torch.uint8)
         link = t._peers[0].link
         link.send([tensor], 0, frames.HEADER_TAG).wait()
@@ -416,8 +453,9 @@ def _dies_mid_frame(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
     return out
 
 
-def test_a_peer_dying_mid_frame_is_lost_and_nothing_else_is_affected() -> None:
-    results = run_ranks(_dies_mid_frame, 3, barrier=False, may_die=(2,))
+@pytest.mark.parametrize("missing", ["body", "part"])
+def test_a_peer_dying_mid_frame_is_lost_and_nothing_else_is_affected(missing: str) -> None:
+    results = run_ranks(_dies_mid_frame, 3, args=(missing,), barrier=False, may_die=(2,))
     assert results[2] == DIED
     assert [r["after"] for r in results[:2]] == ["still serving", "still serving"]
 

@@ -50,6 +50,14 @@ def apply(f: Any, x: Any) -> Any:
     return f(x)
 
 
+def make_adder(k: int) -> Any:
+    return lambda v: v + k
+
+
+def make_generator() -> Any:
+    return (i for i in range(3))  # neither pickle nor pc-pickle carries a generator
+
+
 def wait_a_while(seconds: float) -> str:
     threading.Event().wait(seconds)  # deliberately slow, to exceed a per-call timeout
     return "late"
@@ -97,6 +105,8 @@ def _rpc_checks(rank: int) -> dict[str, Any]:
     peer = str((rank + 1) % 3)
     if rank == 0:
         group.register("apply", apply)
+        group.register("make_adder", make_adder)
+        group.pair("adder", make_adder(10))
     group.barrier()
     out["by_value"] = [
         group.rpc_sync(peer, lambda v: v + offset, args=(1,)),
@@ -105,6 +115,19 @@ def _rpc_checks(rank: int) -> dict[str, Any]:
         group.registered_sync("apply", args=(lambda v: [v, offset], 7)),  # on rank 0: no RPC, same copy
         group.registered_remote("apply", args=(lambda v: v + 1, 1)).to_here(),
     ]
+    # results that plain pickle refuses come back by value too
+    out["results_by_value"] = [
+        group.rpc_sync(peer, make_adder, args=(5,))(1),
+        group.rpc_async(peer, make_adder, args=(4,)).wait()(1),
+        group.remote(peer, make_adder, args=(2,)).to_here()(1),
+        group.registered_sync("make_adder", args=(3,))(1),  # on rank 0: no RPC, same copy
+        group.registered_async("make_adder", args=(6,)).wait()(1),
+        group.get_paired("adder").to_here()(1),
+    ]
+    out["unpicklable_result"] = _catch(group.rpc_sync, peer, make_generator)
+    out["unpicklable_service_result"] = _catch(
+        group.registered_sync, "apply", args=(lambda _: make_generator(), 0)
+    )
     out["not_member_target"] = _catch(group.rpc_sync, "9", add, args=(1, 2))
     out["bad_args"] = _catch(group.rpc_sync, "1", add, args=5)
     out["bad_timeout"] = _catch(group.rpc_sync, "1", add, timeout=0, args=(1, 2))
@@ -239,6 +262,19 @@ def test_rpc_calls(observed: list[dict[str, Any]]) -> None:
 def test_lambdas_and_closures_travel_by_value(observed: list[dict[str, Any]]) -> None:
     for rank, o in enumerate(observed):
         assert o["by_value"] == [101 + rank, 42, 0, [7, 100 + rank], 2]
+
+
+def test_results_that_plain_pickle_refuses_come_back_by_value(observed: list[dict[str, Any]]) -> None:
+    for o in observed:
+        assert o["results_by_value"] == [6, 5, 3, 4, 7, 11]
+
+
+def test_a_result_neither_pickler_carries_is_a_type_error_naming_it(observed: list[dict[str, Any]]) -> None:
+    for o in observed:
+        for case in ("unpicklable_result", "unpicklable_service_result"):
+            kind, text, _ = o[case]
+            assert kind == "TypeError", (case, o[case])
+            assert "generator" in text, (case, o[case])
 
 
 def test_pair_register_semantics_and_messages(observed: list[dict[str, Any]]) -> None:

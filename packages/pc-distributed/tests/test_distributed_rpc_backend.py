@@ -36,6 +36,9 @@ class _Recorder:
     def name(self) -> str:
         return str(self.inner.name)
 
+    def plain_pickles(self, value: Any) -> bool:
+        return bool(self.inner.plain_pickles(value))
+
     def call_sync(self, to: str, fn: Any, args: Any, kwargs: Any, timeout: float) -> Any:
         self.sends.append(("call_sync", to))
         return self.inner.call_sync(to, fn, args, kwargs, timeout)

@@ -97,6 +97,13 @@ class RpcBackend(Protocol):
     def name(self) -> str:
         """The backend's name (``"tensorpipe"``)."""
 
+    def plain_pickles(self, value: Any) -> bool:
+        """Whether the backend's pickler carries ``value`` as it is (else it travels as pc-pickle's bytes).
+
+        The RPC targets ask this of every result: a backend that carries what plain pickle refuses answers
+        True without looking.
+        """
+
     def call_sync(
         self,
         to: str,

@@ -1,41 +1,77 @@
-"""How the c10d RPC backend pickles calls and results: by name where a name loads, by value where not.
+"""How the c10d RPC backend pickles calls and results: by name where a name loads, tensors beside the pickle.
 
 torch's RPC pickles with plain pickle: functions and classes travel by name, ``__main__``'s included (every
 member of a job runs the same script, so the name loads there and the call runs the member's own function on
 the member's own globals). Lambdas, closures and classes defined in functions have no name that loads, and
-plain pickle refuses them. pc-pickle carries those by value, and moves tensors faster than plain pickle does
-(raw storage bytes instead of ``torch.save`` per storage), but it also carries ``__main__`` definitions by
-value, with a copy of the sender's globals: the same call would then run on other data than on TensorPipe.
+plain pickle refuses them; pc-pickle carries those by value. pc-pickle would also carry ``__main__``
+definitions by value, with a copy of the sender's globals: the same call would then run on other data than on
+TensorPipe. So :func:`encode` pickles the graph with plain pickle and sets aside, by ``persistent_id``:
 
-So :func:`encode` pickles the graph with plain pickle and sets aside, by ``persistent_id``, what plain pickle
-should not carry itself: tensors and storages (for speed) and functions and classes that have no loadable
-name (which it cannot carry). The set-aside objects go by value with pc-pickle, next to the plain pickle's
-bytes; :func:`decode` puts them back in place. Three forms:
+- **host tensors** (plain ``torch.Tensor``, strided, on the CPU): by their storage. A storage of
+  :data:`PART_MIN_BYTES` or more becomes a *part* of the message: the storage's own memory, sent by the frame
+  layer as a message of its own without being copied into the pickle, and received into fresh memory that the
+  rebuilt tensors own (no copy out of a receive buffer). A smaller storage rides inside the pickle as bytes
+  (a copy of a few kilobytes costs less than one more message). Tensors that share a storage still share one
+  on arrival; a tensor that views less than half of a large storage sends a compact copy of its own elements
+  instead of the whole storage.
+- **everything else plain pickle should not carry itself**: functions and classes that have no loadable name,
+  other tensors (CUDA tensors, which pc-pickle moves through pinned host memory; subclasses such as
+  ``nn.Parameter``; sparse and quantized ones) and bare storages. They go by value with pc-pickle, in one
+  blob inside the head.
 
-- ``b"R"`` + a plain pickle: nothing was set aside (a small call: one pickle, no pc-pickle header);
-- a pc-pickle payload of ``(plain pickle bytes, [set-aside objects])``;
-- a pc-pickle payload of ``(None, obj)``: what plain pickle refuses elsewhere in the graph (an object that
-  only dill knows how to pickle), all by value.
+An :class:`Encoded` message is a *head* (bytes) and its *parts* (uint8 host tensors). Three head forms:
 
-A pc-pickle payload starts with pickle's protocol byte (``0x80``), never with ``b"R"``.
+- ``b"R"`` + a plain pickle: nothing by value (a small call is this one pickle);
+- ``b"V"`` + the blob's length (8 bytes, little-endian) + the pc-pickle blob of the by-value objects + the
+  plain pickle that refers to them;
+- ``b"W"`` + a pc-pickle blob of the whole object: plain pickle refused something elsewhere in the graph (an
+  object only dill knows how to pickle), so everything goes by value.
+
+A part is read from the tensor's memory when the frame is sent, which is after :func:`encode` returns: the
+caller decides whether to send the parts as they are or :meth:`Encoded.snapshot` them first (see the
+transport).
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import struct
 import sys
 import types
-from typing import Any
+from typing import Any, NamedTuple, TypeGuard
 
 import torch
 
 import pc_pickle
 
-__all__ = ["decode", "encode"]
+__all__ = ["PART_MIN_BYTES", "Encoded", "decode", "encode"]
 
-_PLAIN = b"R"
-_STORAGES: tuple[type, ...] = (torch.UntypedStorage, torch.TypedStorage)
+PART_MIN_BYTES = 64 << 10
+"""Storages of at least this many bytes travel as parts; smaller ones are copied into the pickle."""
+
+_PLAIN, _BY_VALUE, _WHOLE = b"R", b"V", b"W"
+_LENGTH = struct.Struct("<Q")
+_SET_ASIDE: tuple[type, ...] = (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)
+# Types whose objects plain pickle always carries itself: the pickler asks about every object it pickles, and
+# most of a call is these (a call's tuple, its names, its numbers), so they are answered without a look.
+_ALWAYS_PLAIN = frozenset((str, bytes, int, float, bool, type(None), tuple, list, dict))
+
+
+class Encoded(NamedTuple):
+    """A pickled message: the head's bytes and the parts (contiguous uint8 host tensors) that follow it."""
+
+    head: bytes
+    parts: tuple[torch.Tensor, ...] = ()
+
+    def snapshot(self) -> Encoded:
+        """The same message with parts of its own: copies, which later writes to the tensors do not reach."""
+        return self._replace(parts=tuple(p.clone() for p in self.parts)) if self.parts else self
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the head and of every part."""
+        return len(self.head) + sum(p.numel() for p in self.parts)
 
 
 def _loads_by_name(obj: Any) -> bool:
@@ -50,64 +86,170 @@ def _loads_by_name(obj: Any) -> bool:
     return target is obj
 
 
+def _is_plain_host_tensor(obj: object) -> TypeGuard[torch.Tensor]:
+    return (
+        type(obj) is torch.Tensor
+        and obj.device.type == "cpu"
+        and obj.layout == torch.strided
+        and not obj.is_quantized
+        and not obj.is_nested
+        and not obj.is_conj()
+        and not obj.is_neg()
+    )
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all of ``storage``'s memory (no copy)."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _span_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the storage that ``tensor`` reaches, from its offset to its last element."""
+    if tensor.numel() == 0:
+        return 0
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return (last + 1) * tensor.element_size()
+
+
 class _SetAsidePickler(pickle.Pickler):
-    """Plain pickle that sets aside tensors, storages and nameless functions and classes (see the module)."""
+    """Plain pickle that sets tensors, storages and nameless functions and classes aside (see the module)."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=5)
-        self.aside: list[Any] = []
-        self._index: dict[int, int] = {}
+        self.by_value: list[Any] = []
+        self.parts: list[torch.Tensor] = []
+        self._seen: dict[int, Any] = {}  # id of an object set aside -> its persistent id when seen again
+        self._storages: dict[tuple[int, int], int] = {}  # (address, bytes) of a storage sent -> its key
+        self._alive: list[Any] = []  # what was set aside stays alive while pickling, so ids stay unique
 
-    def persistent_id(self, obj: Any) -> int | None:
-        if isinstance(obj, (torch.Tensor, *_STORAGES)) or (
-            isinstance(obj, (types.FunctionType, type)) and not _loads_by_name(obj)
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) in _ALWAYS_PLAIN or not (
+            isinstance(obj, _SET_ASIDE)
+            or (isinstance(obj, (types.FunctionType, type)) and not _loads_by_name(obj))
         ):
-            index = self._index.get(id(obj))
-            if index is None:
-                index = self._index[id(obj)] = len(self.aside)
-                self.aside.append(obj)
-            return index
-        return None
+            return None
+        again = self._seen.get(id(obj))
+        if again is not None:
+            return again
+        self._alive.append(obj)
+        if _is_plain_host_tensor(obj):
+            key = len(self._seen)
+            pid = self._tensor_pid(key, obj)
+            self._seen[id(obj)] = ("s", key)
+            return pid
+        self._seen[id(obj)] = pid = ("v", len(self.by_value))
+        self.by_value.append(obj)
+        return pid
+
+    def _tensor_pid(self, key: int, tensor: torch.Tensor) -> tuple[Any, ...]:
+        storage = tensor.untyped_storage()
+        address = (storage.data_ptr(), storage.nbytes())
+        offset, stride = tensor.storage_offset(), tensor.stride()
+        skey = self._storages.get(address)
+        source: Any = None  # None: a storage sent before in this message (the receiver has it by skey)
+        if skey is None:
+            if storage.nbytes() >= PART_MIN_BYTES and 2 * _span_bytes(tensor) < storage.nbytes():
+                # a small view of a large storage: send a compact copy of its elements, not the storage
+                tensor = tensor.detach().clone(memory_format=torch.contiguous_format)
+                storage, offset, stride = tensor.untyped_storage(), 0, tensor.stride()
+                address = (storage.data_ptr(), storage.nbytes())
+                self._alive.append(tensor)
+            skey = self._storages[address] = len(self._storages)
+            if storage.nbytes() >= PART_MIN_BYTES:
+                source = len(self.parts)
+                self.parts.append(_bytes_of(storage))
+            else:
+                source = _bytes_of(storage).numpy().tobytes()
+        return (
+            "t",
+            key,
+            skey,
+            source,
+            tensor.dtype,
+            tuple(tensor.shape),
+            stride,
+            offset,
+            tensor.requires_grad,
+        )
 
 
 class _PutBackUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, aside: list[Any]) -> None:
+    def __init__(self, file: io.BytesIO, by_value: list[Any], parts: tuple[torch.Tensor, ...]) -> None:
         super().__init__(file)
-        self._aside = aside
+        self._by_value = by_value
+        self._parts = parts
+        self._objects: dict[int, Any] = {}
+        self._storages: dict[int, torch.UntypedStorage] = {}
 
     def persistent_load(self, pid: Any) -> Any:
-        return self._aside[pid]
+        tag = pid[0]
+        if tag == "v":
+            return self._by_value[pid[1]]
+        if tag == "s":
+            return self._objects[pid[1]]
+        _, key, skey, source, dtype, shape, stride, offset, requires_grad = pid
+        storage = self._storages.get(skey)
+        if storage is None:
+            storage = self._storages[skey] = self._storage(source)
+        tensor = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+        if requires_grad:
+            tensor.requires_grad_(True)
+        self._objects[key] = tensor
+        return tensor
+
+    def _storage(self, source: Any) -> torch.UntypedStorage:
+        if isinstance(source, int):
+            part = self._parts[source]
+        elif source:
+            part = torch.frombuffer(bytearray(source), dtype=torch.uint8)
+        else:
+            part = torch.empty(0, dtype=torch.uint8)
+        return part.untyped_storage()
 
 
-def encode(obj: Any, what: str) -> bytes:
-    """The bytes of ``obj`` (see the module for the forms).
+def encode(obj: Any, what: str) -> Encoded:
+    """The message of ``obj`` (see the module for its forms); the parts still read the tensors' memory.
 
     Raises:
         TypeError: If something in ``obj`` can be pickled neither way; the message names ``what`` and, from
             pc-pickle, the access path of the object.
     """
     buffer = io.BytesIO()
-    buffer.write(_PLAIN)
     pickler = _SetAsidePickler(buffer)
     try:
         pickler.dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError):
-        whole: tuple[Any, Any] = (None, obj)
-    else:
-        if not pickler.aside:
-            return buffer.getvalue()
-        whole = (buffer.getbuffer()[len(_PLAIN) :].tobytes(), pickler.aside)
+        return Encoded(_WHOLE + _by_value(obj, what))
+    if not pickler.by_value:
+        return Encoded(_PLAIN + buffer.getvalue(), tuple(pickler.parts))
+    blob = _by_value(pickler.by_value, what)
+    return Encoded(
+        b"".join((_BY_VALUE, _LENGTH.pack(len(blob)), blob, buffer.getvalue())), tuple(pickler.parts)
+    )
+
+
+def _by_value(obj: Any, what: str) -> bytes:
     try:
-        return pc_pickle.dumps(whole)
+        return pc_pickle.dumps(obj)
     except pc_pickle.UnpicklableObjectError as exc:
         raise TypeError(f"{what} cannot be pickled: {exc}") from exc
 
 
-def decode(data: memoryview) -> Any:
-    """The object :func:`encode` wrote into ``data``."""
-    if data[: len(_PLAIN)] == _PLAIN:
-        return _PutBackUnpickler(io.BytesIO(data[len(_PLAIN) :]), []).load()
-    plain, rest = pc_pickle.loads(data)
-    if plain is None:
-        return rest
-    return _PutBackUnpickler(io.BytesIO(plain), rest).load()
+def decode(head: memoryview, parts: tuple[torch.Tensor, ...] = ()) -> Any:
+    """The object :func:`encode` wrote into ``head`` and ``parts`` (its tensors own the parts' memory).
+
+    Raises:
+        ValueError: If ``head`` is not a message of this codec.
+    """
+    form = bytes(head[:1])
+    if form == _WHOLE:
+        return pc_pickle.loads(head[1:])
+    by_value: list[Any] = []
+    start = 1
+    if form == _BY_VALUE:
+        (length,) = _LENGTH.unpack_from(head, 1)
+        start = 1 + _LENGTH.size + length
+        by_value = pc_pickle.loads(head[1 + _LENGTH.size : start])
+    elif form != _PLAIN:
+        raise ValueError(f"not a message of the c10d codec (form {form!r})")
+    return _PutBackUnpickler(io.BytesIO(head[start:]), by_value, parts).load()

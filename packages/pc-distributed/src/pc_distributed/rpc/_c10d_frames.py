@@ -1,10 +1,15 @@
 """The frames of the c10d transport: their layout, and posting and receiving them on a pair's process group.
 
 A frame is a fixed-size header, a uint8 tensor of :data:`HEADER_BYTES` sent with tag :data:`HEADER_TAG`,
-followed, for a payload too large to ride inside the header, by the payload as a uint8 tensor of its own with
-tag :data:`PAYLOAD_TAG`. The header starts with seven little-endian int64 words::
+followed by the frame's *body* when it is too large to ride inside the header (a uint8 tensor of its own with
+tag :data:`PAYLOAD_TAG`), then by the message's *parts*, one uint8 tensor each, also with tag
+:data:`PAYLOAD_TAG`. The header starts with eight little-endian int64 words::
 
-    magic | kind | sender rank | call id | aux | payload bytes | payload inline (0 or 1) | inline payload ...
+    magic | kind | sender rank | call id | aux | body bytes | body inline (0 or 1) | parts | inline body ...
+
+The body is the parts' sizes (one int64 each) followed by the message's head (:class:`~._c10d_codec.Encoded`).
+A part is a large tensor storage, sent from the tensor's own memory and received into fresh memory that the
+receiver's rebuilt tensor then owns: neither side copies it.
 
 A small call (a few hundred bytes pickled) is one message each way instead of two: a gloo message costs a
 notification round trip on top of its bytes, and a header of one kilobyte costs no more to move than one of
@@ -17,7 +22,7 @@ receive posted for it, but the transport does not rely on that: a header is alwa
 
 Only host tensors are ever handed to gloo: its point-to-point ops read and write tensor memory from the host,
 and a CUDA tensor makes its I/O thread fail in a way that aborts the process (:func:`check_host_tensor`).
-Payloads are pickled bytes, so CUDA tensors inside them have already moved through host memory.
+CUDA tensors travel inside the head, by value, so they have already moved through host memory.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import threading
 from typing import Any, NamedTuple
 
 import torch
+
+from pc_distributed.rpc._c10d_codec import Encoded
 
 __all__ = [
     "BYE",
@@ -45,11 +52,13 @@ __all__ = [
     "VALUE",
     "Buffers",
     "Header",
+    "Incoming",
+    "Posted",
     "check_host_tensor",
-    "payload_bytes",
     "post_frame",
+    "receive_body",
     "receive_header",
-    "receive_payload",
+    "receive_parts",
 ]
 
 # Tags of the two frame parts on a link (any values work; these are recognisable in traces).
@@ -57,15 +66,16 @@ HEADER_TAG = 0x7C10
 PAYLOAD_TAG = 0x7C11
 HEADER_BYTES = 1024
 _MAGIC = 0x5043_C10D  # the first word: a frame of this transport, in this layout
-_WORDS = struct.Struct("<7q")
-INLINE_MAX = HEADER_BYTES - _WORDS.size  # the largest payload carried inside the header
+_WORDS = struct.Struct("<8q")
+_SIZE = struct.Struct("<q")
+INLINE_MAX = HEADER_BYTES - _WORDS.size  # the largest body carried inside the header
 
 # Kinds. Requests carry a pickled (fn, args, kwargs), or nothing; replies carry the call id they answer.
 CALL = 1  # run fn, reply with its value
 REMOTE = 2  # run fn, keep its value on the receiver under (sender, call id), reply with an empty value
 FETCH = 3  # reply with the value kept under (sender, aux)
 RELEASE = 4  # one way: drop the value kept under (sender, aux)
-VALUE = 5  # reply: the pickled value (no payload: None)
+VALUE = 5  # reply: the pickled value (no body: None)
 ERROR = 6  # reply: the pickled (exception, remote traceback text)
 PING = 7  # one way: keep-alive
 BYE = 8  # one way: the sender's last frame to the receiver
@@ -74,14 +84,34 @@ REQUESTS = frozenset((CALL, REMOTE, FETCH))
 
 
 class Header(NamedTuple):
-    """A received header: who sent what, and how many payload bytes follow (or came inline)."""
+    """A received header: who sent what, how many body bytes follow (or came inline), how many parts."""
 
     kind: int
     src: int
     call_id: int
     aux: int
-    nbytes: int
-    inline: torch.Tensor | None  # the payload, when it rode inside the header
+    nbytes: int  # of the body
+    inline: torch.Tensor | None  # the body, when it rode inside the header
+    nparts: int
+
+
+class Incoming(NamedTuple):
+    """A received message: its body (a receive buffer, or a view of the header) and its parts."""
+
+    body: torch.Tensor
+    parts: tuple[torch.Tensor, ...] = ()
+
+    def head(self) -> memoryview:
+        """The message's head: the body after the parts' sizes (no copy)."""
+        return memoryview(self.body.numpy())[_SIZE.size * len(self.parts) :]  # type: ignore[arg-type]
+
+    @classmethod
+    def copy_of(cls, message: Encoded) -> Incoming:
+        """What the receiver of ``message`` gets, made in this process (copies of the head and the parts)."""
+        return cls(
+            torch.frombuffer(bytearray(message.head), dtype=torch.uint8),
+            tuple(p.clone() for p in message.parts),
+        )
 
 
 def check_host_tensor(tensor: object, what: str) -> torch.Tensor:
@@ -89,7 +119,7 @@ def check_host_tensor(tensor: object, what: str) -> torch.Tensor:
 
     gloo's point-to-point ops read and write the tensor's memory from the host; handed a CUDA tensor, gloo's
     I/O thread fails (``writev ... Bad address``) and the exception aborts the process. This check refuses
-    such a tensor before it gets there; carry CUDA tensors inside a pickled payload instead.
+    such a tensor before it gets there; carry CUDA tensors inside a pickled head instead.
 
     Args:
         tensor: The tensor about to be sent or received.
@@ -107,7 +137,7 @@ def check_host_tensor(tensor: object, what: str) -> torch.Tensor:
     if tensor.device.type != "cpu":
         raise ValueError(
             f"{what} must be a tensor in host memory, got one on {tensor.device}: gloo's point-to-point ops "
-            "cannot carry it (the process would abort); send it inside a pickled payload, which moves it "
+            "cannot carry it (the process would abort); send it inside a pickled message, which moves it "
             "through host memory"
         )
     if not tensor.is_contiguous():
@@ -134,31 +164,61 @@ def _posted(work: Any) -> Any:
     return work
 
 
+class Posted(NamedTuple):
+    """The sends of one frame, posted: keep it until :meth:`wait` returned (a dropped send is never made)."""
+
+    works: list[Any]
+    body: bytes | None  # read by its send until the send is done
+
+    def wait(self) -> None:
+        """Wait until every send of the frame is done (bounded by the link's timeout).
+
+        The last send is waited for first: a link's sends are made in the order they were posted, so the
+        others are done by then, and the thread wakes once per frame, not once per send.
+
+        Raises:
+            RuntimeError: torch's error if a send failed (the peer is gone, or the link timed out).
+        """
+        for work in reversed(self.works):
+            work.wait()
+
+
 def post_frame(
-    group: Any, dst: int, kind: int, src: int, call_id: int, aux: int, data: bytes | None
-) -> list[Any]:
-    r"""Post the sends of one frame to rank ``dst`` of the link ``group``; their ``Work``\ s, not waited for.
+    group: Any, dst: int, kind: int, src: int, call_id: int, aux: int, message: Encoded | None
+) -> Posted:
+    """Post the sends of one frame to rank ``dst`` of the link ``group``, without waiting for them.
 
     ``src`` is this member's rank in the transport (written into the header).
 
-    The caller keeps ``data`` and the returned works alive until every work is waited for: a dropped work's
-    send is never performed. Frames posted to one peer arrive in the order they were posted.
+    The caller keeps ``message`` and the returned :class:`Posted` alive until its :meth:`~Posted.wait`
+    returned: a dropped work's send is never performed, and a part is read from its tensor's memory until its
+    send is done. Frames posted to one peer arrive in the order they were posted.
 
     Raises:
         RuntimeError: torch's error if the pair to ``dst`` is closed (its process died) or the group broke.
     """
-    nbytes = 0 if data is None else len(data)
-    inline = data is not None and nbytes <= INLINE_MAX
+    parts = () if message is None else message.parts
+    if message is None:
+        body: bytes | None = None
+    elif parts:
+        body = b"".join((*(_SIZE.pack(p.numel()) for p in parts), message.head))
+    else:
+        body = message.head
+    nbytes = 0 if body is None else len(body)
+    inline = body is not None and nbytes <= INLINE_MAX
     header = bytearray(HEADER_BYTES)
-    _WORDS.pack_into(header, 0, _MAGIC, kind, src, call_id, aux, nbytes, int(inline))
-    if inline and data:
-        header[_WORDS.size : _WORDS.size + nbytes] = data
+    _WORDS.pack_into(header, 0, _MAGIC, kind, src, call_id, aux, nbytes, int(inline), len(parts))
+    if inline and body:
+        header[_WORDS.size : _WORDS.size + nbytes] = body
     frame = check_host_tensor(torch.frombuffer(header, dtype=torch.uint8), "a frame header")
     works = [_posted(group.send([frame], dst, HEADER_TAG))]
-    if data is not None and not inline:
-        payload = check_host_tensor(_bytes_tensor(data), "a frame payload")
-        works.append(_posted(group.send([payload], dst, PAYLOAD_TAG)))
-    return works
+    if body is not None and not inline:
+        works.append(
+            _posted(group.send([check_host_tensor(_bytes_tensor(body), "a frame body")], dst, PAYLOAD_TAG))
+        )
+    for part in parts:
+        works.append(_posted(group.send([check_host_tensor(part, "a message part")], dst, PAYLOAD_TAG)))
+    return Posted(works, None if inline else body)
 
 
 def receive_header(group: Any, src: int) -> Header | str:
@@ -176,36 +236,67 @@ def receive_header(group: Any, src: int) -> Header | str:
     """
     frame = torch.empty(HEADER_BYTES, dtype=torch.uint8)
     _posted(group.recv([frame], src, HEADER_TAG)).wait()
-    magic, kind, src, call_id, aux, nbytes, inline = _WORDS.unpack_from(memoryview(frame.numpy()))  # type: ignore[arg-type]
-    if magic != _MAGIC or kind not in KINDS or nbytes < 0 or (inline and nbytes > INLINE_MAX):
-        return f"not a frame header: {[magic, kind, src, call_id, aux, nbytes, inline]}"
+    words = _WORDS.unpack_from(memoryview(frame.numpy()))  # type: ignore[arg-type]
+    magic, kind, src, call_id, aux, nbytes, inline, nparts = words
+    if (
+        magic != _MAGIC
+        or kind not in KINDS
+        or nbytes < _SIZE.size * nparts
+        or nparts < 0
+        or (inline and nbytes > INLINE_MAX)
+    ):
+        return f"not a frame header: {list(words)}"
     body = frame[_WORDS.size : _WORDS.size + nbytes] if inline else None
-    return Header(kind, src, call_id, aux, nbytes, body)
+    return Header(kind, src, call_id, aux, nbytes, body, nparts)
 
 
-def receive_payload(group: Any, src: int, nbytes: int, buffers: Buffers) -> torch.Tensor:
-    """Receive the ``nbytes`` payload that follows a header from rank ``src`` of the link (blocks, as above).
+def receive_body(group: Any, src: int, nbytes: int, buffers: Buffers) -> torch.Tensor:
+    """Receive the ``nbytes`` body that follows a header from rank ``src`` of the link (blocks, as above).
 
-    The payload lands in a buffer of ``buffers``; give it back once it is read.
+    The body lands in a buffer of ``buffers``; give it back once it is read.
 
     Raises:
         RuntimeError: torch's error if ``src`` died before sending it all, or the group broke.
     """
-    payload = buffers.take(nbytes)
+    body = buffers.take(nbytes)
     try:
-        _posted(group.recv([payload], src, PAYLOAD_TAG)).wait()
+        _posted(group.recv([body], src, PAYLOAD_TAG)).wait()
     except BaseException:
-        buffers.give(payload)
+        buffers.give(body)
         raise
-    return payload
+    return body
+
+
+def receive_parts(group: Any, src: int, body: torch.Tensor, nparts: int) -> Incoming | str:
+    """Receive the ``nparts`` parts that follow ``body`` from rank ``src`` of the link, into fresh memory.
+
+    Every receive is posted before the first is waited for, so the parts stream one after the other.
+
+    Returns:
+        The message, or a description of the sizes when they are not sizes of parts.
+
+    Raises:
+        RuntimeError: torch's error if ``src`` died before sending them all, or the group broke.
+    """
+    if not nparts:
+        return Incoming(body)
+    sizes = [_SIZE.unpack_from(memoryview(body.numpy()), _SIZE.size * i)[0] for i in range(nparts)]  # type: ignore[arg-type]
+    if min(sizes) <= 0:
+        return f"not sizes of message parts: {sizes}"
+    parts = tuple(torch.empty(n, dtype=torch.uint8) for n in sizes)
+    works = [_posted(group.recv([part], src, PAYLOAD_TAG)) for part in parts]
+    for work in reversed(works):  # the last one is done last: one wake-up for them all
+        work.wait()
+    return Incoming(body, parts)
 
 
 class Buffers:
-    """Receive buffers for large payloads, kept for reuse up to ``keep_bytes`` in all.
+    """Receive buffers for large bodies, kept for reuse up to ``keep_bytes`` in all.
 
     A fresh buffer of megabytes costs a page fault per page on its first write, which costs more than
-    receiving into it; a payload's buffer is free again once its bytes are unpickled (unpickling copies
-    them), so the next large payload reuses it.
+    receiving into it; a body's buffer is free again once its bytes are unpickled (unpickling copies them),
+    so the next large body reuses it. (Parts are not received into these: their memory becomes the
+    storage of the tensors they carry.)
     """
 
     def __init__(self, keep_bytes: int = 64 << 20, min_bytes: int = 64 << 10) -> None:
@@ -230,18 +321,13 @@ class Buffers:
             self._lent[view.data_ptr()] = buffer
             return view
 
-    def give(self, payload: torch.Tensor) -> None:
-        """Take back a payload from :meth:`take` once nothing reads it any more (others are ignored)."""
+    def give(self, body: torch.Tensor) -> None:
+        """Take back a body from :meth:`take` once nothing reads it any more (others are ignored)."""
         with self._lock:
-            buffer = self._lent.pop(payload.data_ptr(), None)
+            buffer = self._lent.pop(body.data_ptr(), None)
             if buffer is None:
                 return
             self._free.append(buffer)
             self._free.sort(key=lambda b: -b.numel())
             while sum(b.numel() for b in self._free) > self._keep_bytes:
                 self._free.pop(0)  # the largest goes first
-
-
-def payload_bytes(payload: torch.Tensor) -> memoryview:
-    """The bytes of a received payload, without a copy."""
-    return memoryview(payload.numpy())  # type: ignore[arg-type]

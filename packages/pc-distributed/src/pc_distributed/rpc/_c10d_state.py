@@ -15,7 +15,8 @@ from concurrent.futures import Future as _Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from pc_distributed.rpc._c10d_codec import Encoded
+from pc_distributed.rpc._c10d_frames import Incoming, Posted
 
 __all__ = ["STOP", "Peer", "PendingCall", "Workers"]
 
@@ -87,16 +88,18 @@ class Workers:
 
 @dataclass(eq=False)
 class PendingCall:
-    """A request sent and not answered yet: the future gets ``(reply kind, payload or None)`` or an error."""
+    """A request sent and not answered yet: the future gets ``(reply kind, message or None)`` or an error."""
 
     peer: int
     call_id: int
     deadline: float
     timeout: float
     what: str
-    future: _Future[tuple[int, torch.Tensor | None]] = field(default_factory=_Future)
-    decoded: tuple[int, Any] | None = None  # (reply kind, unpickled payload), once read
-    sent: tuple[list[Any], bytes | None] | None = None  # the request's posted works and bytes, until answered
+    future: _Future[tuple[int, Incoming | None]] = field(default_factory=_Future)
+    decoded: tuple[int, Any] | None = None  # (reply kind, unpickled message), once read
+    sent: tuple[Posted, Encoded | None] | None = (
+        None  # the request's posted sends and message, until answered
+    )
     decode_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, exc: BaseException) -> None:
@@ -104,10 +107,10 @@ class PendingCall:
         if not self.future.done():
             self.future.set_exception(exc)
 
-    def answer(self, kind: int, payload: torch.Tensor | None) -> None:
+    def answer(self, kind: int, message: Incoming | None) -> None:
         """Complete with a reply (same rule as :meth:`fail`)."""
         if not self.future.done():
-            self.future.set_result((kind, payload))
+            self.future.set_result((kind, message))
 
 
 @dataclass(eq=False)

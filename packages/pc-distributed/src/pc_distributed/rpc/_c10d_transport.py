@@ -96,7 +96,7 @@ import torch
 
 from pc_distributed._checks import int_in_range, optional_timeout, positive_int, positive_seconds
 from pc_distributed._errors import format_exception, portable_exception, reraise_remote
-from pc_distributed.rpc._c10d_codec import decode, encode
+from pc_distributed.rpc._c10d_codec import Encoded, decode, encode
 from pc_distributed.rpc._c10d_frames import (
     BYE,
     CALL,
@@ -108,10 +108,12 @@ from pc_distributed.rpc._c10d_frames import (
     REQUESTS,
     VALUE,
     Buffers,
-    payload_bytes,
+    Incoming,
+    Posted,
     post_frame,
+    receive_body,
     receive_header,
-    receive_payload,
+    receive_parts,
 )
 from pc_distributed.rpc._c10d_state import STOP, Peer, PendingCall, Workers
 
@@ -274,7 +276,7 @@ class C10dTransport:
             ConnectionError: If the member is already known to be lost or gone.
             RuntimeError: If the transport is shut down.
         """
-        pending = self._start(to_rank, CALL, fn, args, kwargs, timeout, "call")
+        pending = self._start(to_rank, CALL, fn, args, kwargs, timeout, "call", snapshot=True)
         out: torch.futures.Future[Any] = torch.futures.Future()
 
         def finish() -> None:
@@ -326,7 +328,7 @@ class C10dTransport:
             ConnectionError: If the member is already known to be lost or gone.
             RuntimeError: If the transport is shut down.
         """
-        pending = self._start(to_rank, REMOTE, fn, args, kwargs, timeout, "remote")
+        pending = self._start(to_rank, REMOTE, fn, args, kwargs, timeout, "remote", snapshot=True)
         return C10dRemoteRef(self, to_rank, pending.call_id, pending)
 
     def shutdown(self, timeout: float | None = None, drain: bool = True) -> None:
@@ -401,6 +403,7 @@ class C10dTransport:
         kwargs: Any,
         timeout: float | None,
         what: str,
+        snapshot: bool = False,
     ) -> PendingCall:
         to_rank = int_in_range("to_rank", to_rank, len(self._names))
         seconds = optional_timeout("timeout", timeout)
@@ -410,8 +413,10 @@ class C10dTransport:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
         self._check_reachable(to_rank)
-        data = encode((fn, tuple(args), dict(kwargs or {})), f"the {what} to {self._who(to_rank)}")
-        return self._register_and_send(to_rank, kind, data, seconds, what, aux=0)
+        message = encode((fn, tuple(args), dict(kwargs or {})), f"the {what} to {self._who(to_rank)}")
+        if snapshot:  # the caller goes on before the parts are sent: they must not see its later writes
+            message = message.snapshot()
+        return self._register_and_send(to_rank, kind, message, seconds, what, aux=0)
 
     def _check_reachable(self, to_rank: int) -> None:
         if self._state != "running":
@@ -423,7 +428,7 @@ class C10dTransport:
             raise ConnectionError(f"{self._who(to_rank)} has shut down")
 
     def _register_and_send(
-        self, to_rank: int, kind: int, data: bytes | None, seconds: float, what: str, aux: int
+        self, to_rank: int, kind: int, message: Encoded | None, seconds: float, what: str, aux: int
     ) -> PendingCall:
         call_id = next(self._ids)
         pending = PendingCall(to_rank, call_id, time.monotonic() + seconds, seconds, what)
@@ -433,7 +438,7 @@ class C10dTransport:
             heapq.heappush(self._deadlines, (pending.deadline, call_id))
         if first:
             self._chores.put(None)  # the housekeeper's next wake-up moves earlier
-        self._send(to_rank, kind, call_id, data, aux, pending)
+        self._send(to_rank, kind, call_id, message, aux, pending)
         return pending
 
     def _wait(self, pending: PendingCall) -> Any:
@@ -459,13 +464,13 @@ class C10dTransport:
         """The value of an answered call, or its remote exception raised (read once, then kept)."""
         with pending.decode_lock:
             if pending.decoded is None:
-                kind, payload = pending.future.result(0)
+                kind, message = pending.future.result(0)
                 obj: Any = None
-                if payload is not None:
+                if message is not None:
                     try:
-                        obj = decode(payload_bytes(payload))
+                        obj = decode(message.head(), message.parts)
                     finally:
-                        self._buffers.give(payload)  # the bytes are unpickled: the buffer may be reused
+                        self._buffers.give(message.body)  # the head is unpickled: the buffer may be reused
                 pending.decoded = (kind, obj)
             kind, obj = pending.decoded
         if kind == ERROR:
@@ -497,7 +502,7 @@ class C10dTransport:
         to_rank: int,
         kind: int,
         call_id: int,
-        data: bytes | None = None,
+        message: Encoded | None = None,
         aux: int = 0,
         request: PendingCall | None = None,
     ) -> None:
@@ -510,18 +515,19 @@ class C10dTransport:
         that cannot go is dropped, and a dropped request fails its call with ``ConnectionError``.
         """
         if to_rank == self._rank:
-            payload = None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            self._on_frame(self._rank, kind, call_id, aux, payload)
+            self._on_frame(
+                self._rank, kind, call_id, aux, None if message is None else Incoming.copy_of(message)
+            )
             return
         peer = self._peers[to_rank]
         failed: str | None = None
-        works: list[Any] = []
+        posted: Posted | None = None
         with peer.post_lock:
             if peer.said_bye or peer.lost is not None:
                 failed = peer.lost or "this member said goodbye to it"
             else:
                 try:
-                    works = post_frame(peer.link, peer.link_rank, kind, self._rank, call_id, aux, data)
+                    posted = post_frame(peer.link, peer.link_rank, kind, self._rank, call_id, aux, message)
                 except RuntimeError as exc:
                     failed = f"a send to it failed ({exc})"
                 else:
@@ -530,15 +536,14 @@ class C10dTransport:
                     if request is not None:
                         with self._lock:
                             if self._pending.get(call_id) is request:
-                                request.sent = (works, data)
+                                request.sent = (posted, message)
                             elif not request.future.done() or request.future.exception() is not None:
-                                peer.lane.put((works, data, False))  # failed meanwhile: the lane waits
+                                peer.lane.put((posted, message, False))  # failed meanwhile: the lane waits
                     elif kind not in (VALUE, ERROR):
-                        peer.lane.put((works, data, kind == BYE))
-        if failed is None and kind in (VALUE, ERROR):
+                        peer.lane.put((posted, message, kind == BYE))
+        if posted is not None and kind in (VALUE, ERROR):
             try:
-                for work in works:
-                    work.wait()
+                posted.wait()
             except RuntimeError as exc:
                 failed = f"a send to it failed ({exc})"
         if failed is not None:
@@ -566,14 +571,13 @@ class C10dTransport:
             item = peer.lane.get()  # woken by a posted frame or by the sentinel of shutdown / loss
             if item is STOP:
                 return
-            works, _data, last = item  # _data: the payload's bytes, alive until its send is done
+            posted, _message, last = item  # _message: read by the sends until they are done
             try:
-                for work in works:
-                    work.wait()
+                posted.wait()
             except RuntimeError as exc:
                 self._lose(peer.rank, f"a send to it failed ({exc})")
                 return
-            del works, _data, item
+            del posted, _message, item
             if last:
                 return
 
@@ -593,18 +597,24 @@ class C10dTransport:
                     # Not a frame of ours, or not from this peer: nothing more from it can be trusted.
                     self._lose(peer.rank, f"a malformed frame arrived from it ({header})")
                     return
-                payload = header.inline
-                if payload is None and header.nbytes:
-                    try:
-                        payload = receive_payload(peer.link, peer.link_rank, header.nbytes, self._buffers)
-                    except Exception as exc:  # its connection closed mid-frame, or no buffer for the payload
-                        self._lose(peer.rank, f"receiving a frame's payload from it failed ({exc})")
-                        return
-                self._on_frame(peer.rank, header.kind, header.call_id, header.aux, payload)
+                message: Incoming | str | None = None
+                body = header.inline
+                try:
+                    if body is None and header.nbytes:
+                        body = receive_body(peer.link, peer.link_rank, header.nbytes, self._buffers)
+                    if body is not None:
+                        message = receive_parts(peer.link, peer.link_rank, body, header.nparts)
+                except Exception as exc:  # its connection closed mid-frame, or no memory for the message
+                    self._lose(peer.rank, f"receiving a frame's message from it failed ({exc})")
+                    return
+                if isinstance(message, str):
+                    self._lose(peer.rank, f"a malformed frame arrived from it ({message})")
+                    return
+                self._on_frame(peer.rank, header.kind, header.call_id, header.aux, message)
         finally:
             peer.receiver_done.set()
 
-    def _on_frame(self, src: int, kind: int, call_id: int, aux: int, payload: torch.Tensor | None) -> None:
+    def _on_frame(self, src: int, kind: int, call_id: int, aux: int, message: Incoming | None) -> None:
         """Route one received frame (on the receiver thread, or the sender's for a call to itself)."""
         peer = self._peers.get(src)
         if peer is not None:
@@ -617,7 +627,7 @@ class C10dTransport:
                 if kind == REMOTE:
                     self._creating.add((src, call_id))
             try:
-                self._workers.submit(lambda: self._serve(src, kind, call_id, aux, payload))
+                self._workers.submit(lambda: self._serve(src, kind, call_id, aux, message))
             except RuntimeError:  # shut down meanwhile: the caller gets our goodbye or times out
                 with self._lock:
                     self._handlers_running -= 1
@@ -628,7 +638,7 @@ class C10dTransport:
                 pending = self._pending.pop(call_id, None)
                 if pending is not None:
                     pending.sent = None  # the reply proves the request's bytes were all sent
-                    pending.answer(kind, payload)
+                    pending.answer(kind, message)
                     self._idle.notify_all()
         elif kind == RELEASE:
             self._drop_owned((src, aux))
@@ -643,10 +653,10 @@ class C10dTransport:
                 self._send(src, BYE, 0)
         # PING: nothing to do beyond last_heard
 
-    def _serve(self, src: int, kind: int, call_id: int, aux: int, payload: torch.Tensor | None) -> None:
+    def _serve(self, src: int, kind: int, call_id: int, aux: int, message: Incoming | None) -> None:
         """Run one request on a worker and send the reply."""
         key = (src, call_id)
-        reply: bytes | None = None
+        reply: Encoded | None = None
         try:
             try:
                 if kind == FETCH:
@@ -657,13 +667,13 @@ class C10dTransport:
                             )
                         value = self._owned[(src, aux)]
                 else:
-                    if payload is None:  # pragma: no cover - a request always has a payload
-                        raise ValueError("a request frame came without its payload")
+                    if message is None:  # pragma: no cover - a request always has a message
+                        raise ValueError("a request frame came without its message")
                     try:
-                        fn, args, kwargs = decode(payload_bytes(payload))
+                        fn, args, kwargs = decode(message.head(), message.parts)
                     finally:
-                        self._buffers.give(payload)
-                    del payload
+                        self._buffers.give(message.body)
+                    del message
                     value = self._handler(fn, args, kwargs)
                 if kind == REMOTE:
                     self._keep(key, value)
@@ -684,7 +694,7 @@ class C10dTransport:
                 self._idle.notify_all()
 
     @staticmethod
-    def _error_payload(exc: BaseException) -> bytes:
+    def _error_payload(exc: BaseException) -> Encoded:
         text = format_exception(exc)
         try:
             return encode((portable_exception(exc), text), "the error")

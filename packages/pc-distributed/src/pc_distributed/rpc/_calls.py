@@ -6,8 +6,8 @@ A :class:`ServiceCall` is one call of a registered service. Without a given owne
 first; if that answers "missing" (a stale cache entry) it looks the owner up again and tries once more. With a
 given owner it goes straight there and never asks the directory. The blocking form waits in the caller's
 thread (as a raw ``rpc_sync`` does), and when the owner is this process it runs the service right here,
-without an RPC to itself, on copies of the arguments and the result (:func:`~._remote.copy_call_as_sent`,
-:func:`~._remote.copy_as_sent`), so the caller sees what an RPC would have delivered.
+without an RPC to itself, on copies of the arguments and the result (:func:`~._remote.copy_by_either`), so
+the caller sees what an RPC would have delivered.
 
 A call whose function or arguments plain pickle refuses is sent again by value
 (:func:`~._remote.call_by_value` with pc-pickle's bytes); only what neither can carry is a ``TypeError``.
@@ -34,8 +34,7 @@ from pc_distributed.rpc._remote import (
     MissingOnOwner,
     call_by_value,
     call_service,
-    copy_as_sent,
-    copy_call_as_sent,
+    copy_by_either,
     run_service,
     unwrap,
 )
@@ -92,7 +91,7 @@ def invoke(
     try:
         blob = pc_pickle.dumps((func, args))
     except Exception:
-        raise pickling_error(refused, f"{send} to {to!r}", args, parts, by_value=True) from refused
+        raise pickling_error(refused, f"{send} to {to!r}", args, parts) from refused
     try:
         return method(to, call_by_value, (blob,), None, timeout)
     except (RuntimeError, OSError) as exc:
@@ -100,31 +99,28 @@ def invoke(
 
 
 def pickling_error(
-    exc: BaseException, what: str, payload: tuple[Any, ...], parts: Sequence[str], by_value: bool = False
+    exc: BaseException, what: str, payload: tuple[Any, ...], parts: Sequence[str]
 ) -> BaseException:
     """The ``TypeError`` naming the element of ``payload`` that did not pickle (``exc`` itself if none did).
 
-    ``by_value``: the payload could have travelled by value with pc-pickle too (a call's function and
-    arguments; results are plain pickles), so the element named is one that neither can carry. The caller
-    chains ``exc`` as the ``__cause__``.
+    What plain pickle refuses travels by value with pc-pickle, so the element named is one that neither can
+    carry. The caller chains ``exc`` as the ``__cause__``.
     """
-    found = _unpicklable(payload, parts, by_value)
+    found = _unpicklable(payload, parts)
     if found is None:
         return exc
     where, obj = found
     kind = type(obj)
-    how = "neither by pickle nor by value with pc-pickle" if by_value else "by pickle"
     return TypeError(
-        f"{what}: {where} cannot be pickled {how} ({kind.__module__}.{kind.__qualname__}: {exc})"
+        f"{what}: {where} can be pickled neither by pickle nor by value with pc-pickle "
+        f"({kind.__module__}.{kind.__qualname__}: {exc})"
     )
 
 
-def _pickles(obj: Any, by_value: bool) -> bool:
+def _pickles(obj: Any) -> bool:
     try:
         pickle.dumps(obj)
     except Exception:
-        if not by_value:
-            return False
         try:
             pc_pickle.dumps(obj)
         except Exception:
@@ -132,7 +128,7 @@ def _pickles(obj: Any, by_value: bool) -> bool:
     return True
 
 
-def _unpicklable(payload: tuple[Any, ...], parts: Sequence[str], by_value: bool) -> tuple[str, Any] | None:
+def _unpicklable(payload: tuple[Any, ...], parts: Sequence[str]) -> tuple[str, Any] | None:
     """The first element of ``payload`` (one level into tuples, lists and dicts) that does not pickle."""
     for i, part in enumerate(payload):
         label = parts[i] if i < len(parts) else f"argument {i}"
@@ -142,11 +138,11 @@ def _unpicklable(payload: tuple[Any, ...], parts: Sequence[str], by_value: bool)
         elif isinstance(part, dict):
             items = part.items()
         if items is None:
-            if not _pickles(part, by_value):
+            if not _pickles(part):
                 return label, part
             continue
         for key, item in items:
-            if not _pickles(item, by_value):
+            if not _pickles(item):
                 return f"{label}[{key!r}]", item
     return None
 
@@ -206,14 +202,14 @@ class ServiceCall:
         """Run the service in this process on copies of the arguments; return a copy of its result."""
         what = f"registered_sync of {self._ktext} in this process"
         try:
-            group, ktext, args, kwargs = copy_call_as_sent(self._payload)
+            group, ktext, args, kwargs = copy_by_either(self._payload)
         except (AttributeError, TypeError, pickle.PicklingError) as exc:
-            raise pickling_error(exc, what, self._payload, _SERVICE_PARTS, by_value=True) from exc
+            raise pickling_error(exc, what, self._payload, _SERVICE_PARTS) from exc
         envelope = run_service(self._host.rpc_tables.get(group), ktext, args, kwargs)
         if envelope[0] != OK:
             return envelope
         try:
-            return (OK, copy_as_sent(envelope[1]))
+            return (OK, copy_by_either(envelope[1]))
         except (AttributeError, TypeError, pickle.PicklingError) as exc:
             raise pickling_error(exc, what, (envelope[1],), ("result",)) from exc
 

@@ -4,15 +4,18 @@ The tables of every live RPC group of a process belong to its World (:class:`Pro
 RPC finds them through the process's current World. A call of a service this process owns runs the same
 :func:`run_service` without an RPC, on :func:`copy_as_sent` copies.
 
-RPC targets never raise. They return an envelope: ``(OK, value)``, ``(ERR, exception, traceback_text)`` or
-``(MISSING,)`` when this process does not own the key (a stale cache entry on the caller). The caller's side
-(:func:`unwrap`) raises the original exception type with the remote traceback as ``__cause__``; torch's own
-RPC error path would turn every exception into a string.
+RPC targets never raise. They return an envelope: ``(OK, value)``, ``(BY_VALUE, pc-pickle bytes of the
+value)``, ``(ERR, exception, traceback_text)`` or ``(MISSING,)`` when this process does not own the key (a
+stale cache entry on the caller). The caller's side (:func:`unwrap`) returns the value, or raises the original
+exception type with the remote traceback as ``__cause__``; torch's own RPC error path would turn every
+exception into a string.
 
-A call whose function or arguments plain pickle refuses (a lambda, a closure, a class defined in a function)
-travels by value: the caller sends :func:`call_by_value` with pc-pickle's bytes of the target and its
-arguments, and :func:`copy_call_as_sent` makes the same copy for a call run in this process. Results are
-plain pickles on every path.
+What plain pickle refuses (a lambda, a closure, a class defined in a function) travels by value with
+pc-pickle, both ways. A call: the caller sends :func:`call_by_value` with pc-pickle's bytes of the target and
+its arguments. A result: on a backend whose own pickler is plain pickle (TensorPipe: its
+``plain_pickles``), a target returns ``BY_VALUE`` when plain pickle would refuse the value and pc-pickle
+takes it; the c10d backend's pickler carries such values itself. :func:`copy_by_either` makes the same copies
+for a call run in this process.
 
     caller                         owner
     ------                         -----
@@ -38,6 +41,7 @@ from pc_distributed._errors import format_exception, portable_exception, reraise
 from pc_distributed._host import current_world
 
 __all__ = [
+    "BY_VALUE",
     "ERR",
     "MISSING",
     "OK",
@@ -51,7 +55,7 @@ __all__ = [
     "call_func",
     "call_service",
     "copy_as_sent",
-    "copy_call_as_sent",
+    "copy_by_either",
     "paired_value",
     "run_service",
     "unwrap",
@@ -60,6 +64,7 @@ __all__ = [
 OK = 0
 ERR = 1
 MISSING = 2
+BY_VALUE = 3
 
 VALUE = "value"
 SERVICE = "service"
@@ -133,9 +138,31 @@ def _tables_of(group: str) -> GroupTables | None:
 
 def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Envelope:
     try:
-        return (OK, fn(*args, **kwargs))
+        value = fn(*args, **kwargs)
     except Exception as exc:
         return (ERR, portable_exception(exc), format_exception(exc))
+    return _ok(value)
+
+
+def _ok(value: Any) -> Envelope:
+    """The envelope of a value: by value with pc-pickle where the World's backend would refuse it as it is.
+
+    A value that neither the backend's pickler nor pc-pickle takes is a ``TypeError`` naming its type, sent
+    back as the call's error.
+    """
+    world = current_world()
+    backend = None if world is None else world.rpc_transport
+    if backend is None or backend.plain_pickles(value):
+        return (OK, value)
+    try:
+        return (BY_VALUE, pc_pickle.dumps(value))
+    except Exception as exc:
+        kind = type(value)
+        error = TypeError(
+            f"the result ({kind.__module__}.{kind.__qualname__}) can be pickled neither by pickle nor by "
+            f"value with pc-pickle: {exc}"
+        )
+        return (ERR, error, format_exception(error))
 
 
 def call_service(group: str, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Envelope:
@@ -166,7 +193,8 @@ def paired_value(group: str, key: str) -> Envelope:
         tables.wait_settled(VALUE, key)
         if key not in tables.values or (VALUE, key) in tables.pending:
             return (MISSING,)
-        return (OK, tables.values[key])
+        value = tables.values[key]
+    return _ok(value)
 
 
 def call_func(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Envelope:
@@ -204,6 +232,8 @@ def unwrap(envelope: Envelope, where: str, copy_value: bool = False) -> Any:
     status = envelope[0]
     if status == OK:
         return copy.deepcopy(envelope[1]) if copy_value else envelope[1]
+    if status == BY_VALUE:
+        return pc_pickle.loads(envelope[1])
     if status == ERR:
         raise reraise_remote(envelope[1], envelope[2], where)
     raise MissingOnOwner(where)
@@ -252,20 +282,19 @@ def copy_as_sent(value: Any) -> Any:
     return _CopyUnpickler(buffer, tensors).load()
 
 
-def copy_call_as_sent(payload: tuple[Any, ...]) -> tuple[Any, ...]:
-    """:func:`copy_as_sent` of a call's arguments, by value with pc-pickle where plain pickle refuses them.
+def copy_by_either(obj: Any) -> Any:
+    """:func:`copy_as_sent` of a call's arguments or result, by value with pc-pickle where pickle refuses.
 
     That is the copy a call to another process delivers (see the module).
 
     Raises:
-        TypeError: (or pickle's own error) If neither plain pickle nor pc-pickle can carry ``payload``; the
-            error raised is plain pickle's.
+        TypeError: (or pickle's own error) If neither plain pickle nor pc-pickle can carry ``obj``; the error
+            raised is plain pickle's.
     """
     try:
-        copied: tuple[Any, ...] = copy_as_sent(payload)
+        return copy_as_sent(obj)
     except (AttributeError, TypeError, pickle.PicklingError) as refused:
         try:
-            copied = pc_pickle.loads(pc_pickle.dumps(payload))
+            return pc_pickle.loads(pc_pickle.dumps(obj))
         except Exception:
             raise refused from None
-    return copied

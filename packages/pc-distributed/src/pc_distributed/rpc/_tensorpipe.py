@@ -8,6 +8,8 @@ value is torch's ``RRef``.
 
 from __future__ import annotations
 
+import io
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +59,17 @@ class TensorPipeBackend:
         _torch_dist.start_rpc(member, rank, world_size, url, timeout, start_timeout, busy_poll)
         return cls()
 
+    def plain_pickles(self, value: Any) -> bool:
+        """Whether torch's RPC pickler takes ``value``: plain pickle, with tensors and RRefs set aside.
+
+        One pickling pass over the value with its tensors left out (no tensor bytes are copied).
+        """
+        try:
+            _Probe(io.BytesIO()).dump(value)
+        except Exception:
+            return False
+        return True
+
     def call_sync(
         self,
         to: str,
@@ -97,3 +110,10 @@ class TensorPipeBackend:
 
     def __repr__(self) -> str:
         return "TensorPipeBackend()"
+
+
+class _Probe(pickle.Pickler):
+    """Plain pickle that leaves out what torch's RPC pickler sends its own way (tensors, RRefs)."""
+
+    def persistent_id(self, obj: Any) -> int | None:
+        return 0 if isinstance(obj, (torch.Tensor, rpc.RRef)) else None
