@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pc_distributed._torch_dist import pair_link
+from pc_distributed._torch_dist import link_device, pair_link
 from pc_distributed.rpc._c10d_transport import C10dTransport
 
 DIED = "<died>"  # the result of a rank that was expected to die and did
@@ -33,11 +33,21 @@ def store_barrier(store: Any, name: str, ranks: list[int], rank: int, timeout: f
 
 
 def make_links(
-    store: Any, rank: int, world_size: int, link_timeout: float, prefix: str = "links"
+    store: Any,
+    rank: int,
+    world_size: int,
+    link_timeout: float,
+    prefix: str = "links",
+    shared_device: bool = True,
 ) -> dict[int, Any]:
-    """This rank's link to every other rank (a gloo group of two each), as the World makes them."""
+    """This rank's link to every other rank (a gloo group of two each), as the World makes them.
+
+    ``shared_device``: the links share one gloo device, as the backend's do where torch allows; else each
+    link makes its own (what the backend does on a torch without gloo's group options).
+    """
     scoped = dist.PrefixStore(prefix, store)
-    return {r: pair_link(scoped, rank, r, link_timeout) for r in range(world_size) if r != rank}
+    device = link_device() if shared_device else None
+    return {r: pair_link(scoped, rank, r, link_timeout, device) for r in range(world_size) if r != rank}
 
 
 def _child(
@@ -50,12 +60,13 @@ def _child(
     link_timeout: float,
     barrier: bool,
     workers: int,
+    shared_device: bool,
 ) -> None:
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timedelta(seconds=60))
         transport = C10dTransport(
-            make_links(store, rank, world_size, link_timeout),
+            make_links(store, rank, world_size, link_timeout, shared_device=shared_device),
             rank,
             [f"w{r}" for r in range(world_size)],
             timeout=30.0,
@@ -85,6 +96,7 @@ def run_ranks(
     barrier: bool = True,
     may_die: tuple[int, ...] = (),
     workers: int = 8,
+    shared_device: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, transport, store, *args)`` in ``world_size`` processes; their results by rank.
 
@@ -100,7 +112,18 @@ def run_ranks(
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_child,
-            args=(rank, world_size, store.port, fn, args, child, link_timeout, barrier, workers),
+            args=(
+                rank,
+                world_size,
+                store.port,
+                fn,
+                args,
+                child,
+                link_timeout,
+                barrier,
+                workers,
+                shared_device,
+            ),
             name=f"c10d-rank-{rank}",
         )
         proc.start()

@@ -45,3 +45,15 @@ def test_a_link_is_a_two_member_gloo_group_and_needs_gloo(monkeypatch: pytest.Mo
     monkeypatch.setattr(_torch_dist, "_ProcessGroupGloo", None)
     with pytest.raises(RuntimeError, match="no gloo"):
         _torch_dist.pair_link(store, 0, 1, 0.5)
+
+
+def test_links_share_a_device_only_where_gloo_has_group_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _torch_dist.link_device() is not None  # every torch supported has them (private, so checked)
+
+    class Renamed:  # a torch whose options lost a field
+        _devices = None
+
+    monkeypatch.setattr(_torch_dist, "_GLOO_OPTIONS", Renamed)
+    assert _torch_dist.link_device() is None
+    monkeypatch.setattr(_torch_dist, "_GLOO_OPTIONS", None)
+    assert _torch_dist.link_device() is None

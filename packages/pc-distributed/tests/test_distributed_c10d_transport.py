@@ -148,9 +148,12 @@ def _happy(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
     posted: list[tuple[int, ...]] = []  # the parts' addresses of each request this thread sends
     original = transport_module.post_frame
 
+    me = threading.get_ident()
+
     def recording(*args: Any) -> Any:
         kind, message = args[2], args[-1]
-        if kind in (frames.CALL, frames.REMOTE):  # not the replies to the other ranks' calls
+        # this thread's requests: not replies, nor the calls back of handlers the other ranks still run
+        if kind in (frames.CALL, frames.REMOTE) and threading.get_ident() == me:
             posted.append(tuple(p.data_ptr() for p in message.parts))
         return original(*args)
 
@@ -232,6 +235,18 @@ def test_calls_threads_callbacks_large_payloads_and_remote_refs() -> None:
         assert out["gc_released"] is True
         assert out["local_ref"] == ([1, 2], 1)
         assert out["local_released"] == 0
+
+
+def _calls_both_ways(rank: int, t: C10dTransport, store: Any) -> list[Any]:
+    big = torch.full((1 << 16,), float(rank))  # a part of its own
+    return [t.call_sync(p, lambda x, r=rank: (r, float(x.sum())), (big,)) for p in range(3) if p != rank]
+
+
+def test_links_with_a_device_each_carry_the_same_calls() -> None:
+    # a torch without gloo's group options: every link makes its own device (link_device() is None)
+    results = run_ranks(_calls_both_ways, 3, shared_device=False)
+    for rank, got in enumerate(results):
+        assert got == [(rank, float(rank << 16))] * 2
 
 
 # -- failure paths ------------------------------------------------------------------------------------------

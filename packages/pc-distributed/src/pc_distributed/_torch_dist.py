@@ -29,6 +29,7 @@ __all__ = [
     "check_backend",
     "destroy_pg",
     "init_pg",
+    "link_device",
     "listen_socket",
     "master_store",
     "new_group",
@@ -50,6 +51,10 @@ Store: Any = dist.Store  # type: ignore[attr-defined]
 _PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 _ProcessGroupGloo: Any = getattr(dist, "ProcessGroupGloo", None)
+# gloo's group options: private (``_Options`` with ``_devices``, ``_timeout``, ``_threads``) on every release
+# supported; where they are missing or named otherwise, each link makes its own device (link_device: None).
+_GLOO_OPTIONS: Any = getattr(_ProcessGroupGloo, "_Options", None)
+_GLOO_OPTION_FIELDS = ("_devices", "_timeout", "_threads")
 # TensorPipe's event-driven transport (libuv, TCP); its "shm" and "ibv" transports busy-poll.
 _EVENT_TRANSPORT = "uv"
 _rendezvous: Any = dist.rendezvous  # type: ignore[attr-defined]
@@ -83,19 +88,37 @@ def rpc_available() -> bool:
     return bool(rpc.is_available())
 
 
-def pair_link(store: Any, me: int, other: int, timeout: float) -> Any:
+def link_device() -> Any | None:
+    """A gloo device for all of a process's links (:func:`pair_link`), or None where torch cannot share one.
+
+    A gloo device is an event-loop thread with its listening socket, and a ``ProcessGroupGloo`` made without
+    options makes one of its own. Links that share one run one loop thread per process instead of one per
+    peer: fewer threads to wake, and the events of several peers handled in one wait. Sharing needs gloo's
+    group options, which are private (see ``_GLOO_OPTIONS``); without them this returns None and every link
+    makes its own device, as before. The device follows ``GLOO_SOCKET_IFNAME`` as every gloo group's.
+    """
+    if _ProcessGroupGloo is None or _GLOO_OPTIONS is None:
+        return None
+    if not all(hasattr(_GLOO_OPTIONS, field) for field in _GLOO_OPTION_FIELDS):
+        return None
+    return _ProcessGroupGloo.create_default_device()
+
+
+def pair_link(store: Any, me: int, other: int, timeout: float, device: Any = None) -> Any:
     """A gloo process group of two members, ``me`` and ``other``, rendezvousing on ``store``.
 
     Both members call it (in the same order of pairs, so that no two wait on each other); the member with the
-    lower number is the group's rank 0. The group is built with ``ProcessGroupGloo``'s public constructor, not
+    lower number is the group's rank 0. The group is built with ``ProcessGroupGloo``'s constructor, not
     ``new_group``, so that it needs no default process group and is private to the pair: a timeout or a lost
-    connection breaks this pair's group only. Its devices follow ``GLOO_SOCKET_IFNAME`` as every gloo group's.
+    connection breaks this pair's group only (a shared device is only the loop that moves the bytes; the
+    pairs, their timeouts and their failures stay per group).
 
     Args:
         store: The rendezvous store (scoped to the caller's World).
         me: This member's number.
         other: The peer's number.
         timeout: Seconds of the rendezvous and of every later wait on the group (gloo's context timeout).
+        device: A device from :func:`link_device` to share, or None (the group makes its own).
 
     Raises:
         RuntimeError: torch's error if the peer does not arrive within ``timeout`` or gloo is not built in.
@@ -104,7 +127,14 @@ def pair_link(store: Any, me: int, other: int, timeout: float) -> Any:
         raise RuntimeError("this torch build has no gloo, which the c10d RPC backend's links need")
     low, high = sorted((me, other))
     scoped = _PrefixStore(f"link/{low}-{high}", store)
-    return _ProcessGroupGloo(scoped, 0 if me == low else 1, 2, timedelta(seconds=timeout))
+    rank = 0 if me == low else 1
+    if device is None:
+        return _ProcessGroupGloo(scoped, rank, 2, timedelta(seconds=timeout))
+    options = _GLOO_OPTIONS()
+    options._devices = [device]
+    options._timeout = timedelta(seconds=timeout)
+    options._threads = 1  # the group's pool serves collectives, which links never run
+    return _ProcessGroupGloo(scoped, rank, 2, options)
 
 
 def open_store(url: str, rank: int, world_size: int, timeout: float) -> Any:
