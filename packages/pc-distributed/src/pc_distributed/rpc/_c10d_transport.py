@@ -5,8 +5,9 @@ public point-to-point ops of gloo process groups (``ProcessGroup.send``/``recv``
 ``torch.distributed.rpc``. Each pair of members has a *link*, a gloo process group of its own two members
 (:func:`pc_distributed._torch_dist.pair_link`). Requests ``(fn, args, kwargs)``, results and exceptions are
 pickled by :mod:`~._c10d_codec`: by name where a name loads (as torch's RPC does), by value with pc-pickle
-where not (lambdas, closures) and for tensors, so CUDA tensors travel by value through host memory
-(gloo's point-to-point ops abort the process on a CUDA tensor, so only host tensors are ever handed to them:
+where not (lambdas, closures); large host tensor storages travel beside the pickle as *parts*, straight from
+and into tensor memory; CUDA tensors travel by value through host memory (gloo's point-to-point ops abort the
+process on a CUDA tensor, so only host tensors are ever handed to them:
 :func:`~._c10d_frames.check_host_tensor`).
 
 Data flow (one process; ``~~`` is a link's point-to-point ops, ``>>`` a queue)::
@@ -19,18 +20,19 @@ Data flow (one process; ``~~`` is a link's point-to-point ops, ``>>`` a queue)::
     housekeeper: keep-alive pings, call deadlines, releases of garbage-collected remote references
 
 **Frames** (:mod:`pc_distributed.rpc._c10d_frames`): a fixed-size header with the kind, the sender, the call
-id and the payload length, then the payload bytes as a uint8 tensor of its own (small payloads ride inside the
-header). The thread that sends a frame (a caller, a worker with a reply) posts its sends itself, one frame at
-a time per peer (a lock), so a header and its payload are adjacent on the link and a peer's frames arrive in
-the order they were posted. A posted send must stay alive until gloo has made it (a dropped ``Work`` is a send
-never made), and posting does not wait for the peer: a request's sends stay with its call until the reply,
-which proves they were made (they are then dropped without a wait: no thread wakes for them); a worker waits
-for its reply's sends itself; keep-alives, releases, goodbyes and the sends of calls that end without a reply
-go to the peer's *lane*, a thread that waits for them in order. No caller is blocked by a slow or stalled
-peer.
+id, the body's length and the number of parts, then the body (the parts' sizes and the pickle's head) as a
+uint8 tensor of its own (a small body rides inside the header), then each part. The thread that sends a
+frame (a caller, a worker with a reply) posts its sends itself, one frame at a time per peer (a lock), so a
+frame's messages are adjacent on the link and a peer's frames arrive in the order they were posted. A
+posted send must stay alive until gloo has made it (a dropped ``Work`` is a send never made), and posting does
+not wait for the peer: a request's sends stay with its call until the reply, which proves they were made
+(they are then dropped without a wait: no thread wakes for them); a worker waits for its reply's sends itself;
+keep-alives, releases, goodbyes and the sends of calls that end without a reply go to the peer's *lane*, a
+thread that waits for them in order. No caller is blocked by a slow or stalled peer.
 
-**The receivers.** One thread per peer receives that peer's next header on their link, then, for a large
-payload, the payload, and hands the frame on: requests to a small pool of worker threads that run the handler
+**The receivers.** One thread per peer receives that peer's next header on their link, then the body if it
+did not ride inside the header, then the parts (each into fresh memory, which becomes the storage of the
+tensors it carries), and hands the frame on: requests to a small pool of worker threads that run the handler
 (never a receiver, so a handler may call back into its caller), replies to the waiting call. Nothing polls:
 every thread sleeps in a blocking wait that a frame, a queued item or a deadline ends. A receive posted for
 one given peer is announced to it at once, so a frame costs one message, not a notification round trip more.
@@ -54,8 +56,18 @@ one given peer is announced to it at once, so a frame costs one message, not a n
   buffer), but a send whose ``Work`` is dropped is never performed and the peer would wait for it; so every
   posted send is waited for, or proven made by the reply to it, before its ``Work`` is dropped.
 
-The cost is a gloo device (one event-loop thread) and a receiver thread per peer in each process, and one
-rendezvous per pair at start: fine for the tens of members RPC groups have, not for thousands.
+The cost is a receiver thread and a lane per peer in each process, one gloo device (an event-loop thread) for
+all the links where torch lets links share one (:func:`pc_distributed._torch_dist.link_device`; else one per
+peer), and one rendezvous per pair at start: fine for the tens of members RPC groups have, not for thousands.
+
+**Parts are read from the tensors' own memory when they are sent**, which is after the call returns to the
+sender's code. A blocking call (:meth:`C10dTransport.call_sync`) sends the arguments' storages as they are:
+its caller waits for the reply, which proves they were sent. :meth:`C10dTransport.call` and
+:meth:`C10dTransport.remote` return at once, so they send copies (:meth:`~._c10d_codec.Encoded.snapshot`)
+and the caller may write to its tensors right away. A reply is sent from the result's storages before the
+worker takes the next request. A call that times out may still be sent afterwards (its sends stay posted
+until the peer takes them or is lost), reading the arguments' memory then: do not write to the arguments of
+a blocking call that timed out while the peer may still be receiving them.
 
 **Shutdown** (:meth:`C10dTransport.shutdown`) is a goodbye protocol. New calls are refused; calls in flight
 and running handlers get half the time to finish; then a goodbye frame, the last frame to that peer, goes to
@@ -67,7 +79,7 @@ down at the same time exchange one goodbye each way.
 
 **A dead peer.** Its connection closes as soon as its process is gone: the receive from it and any send to it
 fail at once, which marks it lost and fails every call pending on it with ``ConnectionError`` naming it. A
-peer that dies mid-frame (header sent, payload not) fails the payload receive the same way. Nothing else is
+peer that dies mid-frame (header sent, body or parts not) fails their receive the same way. Nothing else is
 affected. Shutdown with a dead peer: its goodbye is skipped (it is lost) or fails at once, so shutdown stays
 bounded.
 
@@ -76,7 +88,7 @@ bounded.
 runs out after ``link_timeout``, which closes that link and marks the peer lost, as does the housekeeper when
 it has heard nothing from it for ``link_timeout``. A lost peer stays lost for the transport's lifetime.
 
-Trust: payloads are pickles, so a process that can join the links (reach the store) can make members run code.
+Trust: messages are pickles, so a process that can join the links (reach the store) can make members run code.
 """
 
 from __future__ import annotations
@@ -686,7 +698,7 @@ class C10dTransport:
                         self._creating.discard(key)
                         self._released_early.discard(key)
                 reply_kind = ERROR
-                reply = self._error_payload(exc)
+                reply = self._error_message(exc)
             self._send(src, reply_kind, call_id, reply)
         finally:
             with self._lock:
@@ -694,7 +706,7 @@ class C10dTransport:
                 self._idle.notify_all()
 
     @staticmethod
-    def _error_payload(exc: BaseException) -> Encoded:
+    def _error_message(exc: BaseException) -> Encoded:
         text = format_exception(exc)
         try:
             return encode((portable_exception(exc), text), "the error")
