@@ -187,7 +187,9 @@ def issue_rows(results: list[dict[str, Any]]) -> list[str]:
             met = bool(t["met"])
         else:
             met = measured <= it.bound if it.op == "<=" else measured >= it.bound
-        when = f" (run {res['run_at']})" if res and res.get("run_at") else ""
+        # a target measured apart from its package's stored run (merged into it) carries its own time
+        run_at = t.get("run_at") or (res or {}).get("run_at")
+        when = f" (run {run_at})" if run_at else ""
         lines.append(
             f"| {it.package} | {cell(it.text)} | {measured:.5g}{t['unit']}{when} | {bound} | "
             f"{cell(verdict(met, t.get('note', ''), 'the benchmark records no reason'))} |"

@@ -152,10 +152,12 @@ def test_bench_issue_targets_each_stand_beside_a_verdict() -> None:
              "note": "memcpy-bound"},
         ],
     }  # fmt: skip
+    result["targets"][0]["run_at"] = "yesterday"  # measured apart and merged into the package's run
     rows = run_all.issue_rows([result])
     assert len(rows) == len(run_all.ISSUE_TARGETS)  # every target is listed, measured or not
     by_text = {row.split(" | ")[1]: row for row in rows}
     assert by_text[first.text].endswith("| yes |")
+    assert "(run yesterday)" in by_text[first.text]
     assert f"{second.bound * 2:.5g}x (run today)" in by_text[second.text]
     assert by_text[second.text].endswith("| **no**: memcpy-bound |")
     unmeasured = next(t for t in run_all.ISSUE_TARGETS if t.package == "pc-pool")

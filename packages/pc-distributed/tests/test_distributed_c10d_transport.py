@@ -100,7 +100,10 @@ def _happy(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
     out["closures"] = [t.call_sync(p, lambda f, x: f(x), (lambda v: v + base, p)) for p in peers]
     mine = torch.zeros(3)
     copied = t.call_sync(rank, lambda x: x.add_(1), (mine,))
+    large = torch.zeros(1 << 15)  # 128 kB: a part of its own, copied too
+    large_copied = t.call_sync(rank, lambda x, s: (x.add_(1), s), (large, "tail"))
     out["self_copy"] = (mine.tolist(), copied.tolist())
+    out["self_copy_large"] = (float(large.sum()), float(large_copied[0].sum()), large_copied[1])
 
     # async: futures from every peer, and a then() chain
     futures = [t.call(p, lambda q=p: ("async", q)) for p in peers]
@@ -219,6 +222,7 @@ def test_calls_threads_callbacks_large_payloads_and_remote_refs() -> None:
         assert len(set(pids.values())) == 3
         assert out["closures"] == [p + 100 * rank for p in peers]
         assert out["self_copy"] == ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0])
+        assert out["self_copy_large"] == (0.0, float(1 << 15), "tail")
         assert out["async"] == [("async", p) for p in peers]
         assert out["then"] == 21
         assert out["hammer_errors"] == []

@@ -124,6 +124,14 @@ def _rpc_checks(rank: int) -> dict[str, Any]:
         group.registered_async("make_adder", args=(6,)).wait()(1),
         group.get_paired("adder").to_here()(1),
     ]
+    # a large tensor both ways through a future (on rank 0 an RPC to itself) and a blocking call
+    block = torch.ones(1 << 15)  # 128 kB
+    out["large_tensors"] = [
+        float(group.registered_async("apply", args=(lambda v: v * 2, block)).wait().sum()),
+        float(group.registered_sync("apply", args=(lambda v: v * 3, block)).sum()),
+        float(group.rpc_sync(peer, apply, args=(lambda v: v + 1, block)).sum()),
+        float(block.sum()),
+    ]
     out["unpicklable_result"] = _catch(group.rpc_sync, peer, make_generator)
     out["unpicklable_service_result"] = _catch(
         group.registered_sync, "apply", args=(lambda _: make_generator(), 0)
@@ -267,6 +275,12 @@ def test_lambdas_and_closures_travel_by_value(observed: list[dict[str, Any]]) ->
 def test_results_that_plain_pickle_refuses_come_back_by_value(observed: list[dict[str, Any]]) -> None:
     for o in observed:
         assert o["results_by_value"] == [6, 5, 3, 4, 7, 11]
+
+
+def test_large_tensors_cross_as_they_are_sent_on_every_path(observed: list[dict[str, Any]]) -> None:
+    n = float(1 << 15)
+    for o in observed:
+        assert o["large_tensors"] == [2 * n, 3 * n, 2 * n, n]
 
 
 def test_a_result_neither_pickler_carries_is_a_type_error_naming_it(observed: list[dict[str, Any]]) -> None:

@@ -108,10 +108,15 @@ class Incoming(NamedTuple):
     @classmethod
     def copy_of(cls, message: Encoded) -> Incoming:
         """What the receiver of ``message`` gets, made in this process (copies of the head and the parts)."""
-        return cls(
-            torch.frombuffer(bytearray(message.head), dtype=torch.uint8),
-            tuple(p.clone() for p in message.parts),
-        )
+        body = torch.frombuffer(bytearray(_body(message)), dtype=torch.uint8)
+        return cls(body, tuple(p.clone() for p in message.parts))
+
+
+def _body(message: Encoded) -> bytes:
+    """The body of a frame carrying ``message``: its parts' sizes, then its head."""
+    if not message.parts:
+        return message.head
+    return b"".join((*(_SIZE.pack(p.numel()) for p in message.parts), message.head))
 
 
 def check_host_tensor(tensor: object, what: str) -> torch.Tensor:
@@ -198,12 +203,7 @@ def post_frame(
         RuntimeError: torch's error if the pair to ``dst`` is closed (its process died) or the group broke.
     """
     parts = () if message is None else message.parts
-    if message is None:
-        body: bytes | None = None
-    elif parts:
-        body = b"".join((*(_SIZE.pack(p.numel()) for p in parts), message.head))
-    else:
-        body = message.head
+    body = None if message is None else _body(message)
     nbytes = 0 if body is None else len(body)
     inline = body is not None and nbytes <= INLINE_MAX
     header = bytearray(HEADER_BYTES)
