@@ -20,6 +20,7 @@ STEPS = (
     "env",
     "wheels",
     "gpu-tests",
+    "gpu-tests-c10d",
     "bench-pc-pickle",
     "bench-pc-pool",
     "bench-pc-sync",
@@ -47,6 +48,7 @@ def test_gpu_check_without_cuda_runs_every_step_and_exits_3(tmp_path: Path) -> N
         assert f"{step}: passed" in summary, summary
         assert (out / f"{step}.log").exists()
     assert (out / "gpu-tests.xml").read_text().count("<testcase") > 20  # the gpu tests, skipped
+    assert (out / "gpu-tests-c10d.xml").read_text().count("<testcase") >= 3  # the RPC layer's, on c10d
     assert "Not yet measured on a GPU" in (out / "gpu.md").read_text()
     for name in ("pc-pickle", "pc-pool", "pc-sync", "pc-sync-processes"):
         assert (out / "bench" / f"{name}-cuda.json").exists()

@@ -131,6 +131,10 @@ if [ "$HAS_CUDA" = 1 ]; then export PC_REQUIRE_GPU=1; fi
 # -- every gpu test --------------------------------------------------------------------------------------------
 # shellcheck disable=SC2046
 step gpu-tests 200 "$PY" -m pytest "${PYTEST_OPTS[@]}" -q -rs $(ls -d packages/*/tests) tests-integration
+# the RPC layer's gpu tests again on the c10d backend (the run above takes the default, TensorPipe)
+C10D_OPTS=("${PYTEST_OPTS[@]}" --junitxml "$OUT_DIR/gpu-tests-c10d.xml")
+step gpu-tests-c10d 90 env PC_RPC_BACKEND=c10d "$PY" -m pytest "${C10D_OPTS[@]}" -q -rs \
+    packages/pc-distributed/tests packages/pc-server/tests
 
 # -- the CUDA benchmarks, then the Benchmarks page's GPU section from their JSON -------------------------------
 # run_cuda.py -> bench-<package>, <package>-cuda.json; run_<what>_cuda.py -> bench-<package>-<what>,

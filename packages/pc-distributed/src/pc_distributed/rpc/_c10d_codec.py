@@ -68,11 +68,6 @@ class Encoded(NamedTuple):
         """The same message with parts of its own: copies, which later writes to the tensors do not reach."""
         return self._replace(parts=tuple(p.clone() for p in self.parts)) if self.parts else self
 
-    @property
-    def nbytes(self) -> int:
-        """The bytes of the head and of every part."""
-        return len(self.head) + sum(p.numel() for p in self.parts)
-
 
 def _loads_by_name(obj: Any) -> bool:
     """Whether ``obj`` (a function or class) is found again under its module and qualified name."""
@@ -158,8 +153,8 @@ class _SetAsidePickler(pickle.Pickler):
             if storage.nbytes() >= PART_MIN_BYTES:
                 source = len(self.parts)
                 self.parts.append(_bytes_of(storage))
-            else:
-                source = _bytes_of(storage).numpy().tobytes()
+            else:  # pickled straight from the storage's memory (one copy), loaded as a bytearray
+                source = pickle.PickleBuffer(_bytes_of(storage).numpy())  # type: ignore[arg-type]
         return (
             "t",
             key,
@@ -200,8 +195,8 @@ class _PutBackUnpickler(pickle.Unpickler):
     def _storage(self, source: Any) -> torch.UntypedStorage:
         if isinstance(source, int):
             part = self._parts[source]
-        elif source:
-            part = torch.frombuffer(bytearray(source), dtype=torch.uint8)
+        elif source:  # a bytearray of the storage's bytes: the storage keeps it (no copy)
+            part = torch.frombuffer(source, dtype=torch.uint8)
         else:
             part = torch.empty(0, dtype=torch.uint8)
         return part.untyped_storage()
@@ -215,17 +210,17 @@ def encode(obj: Any, what: str) -> Encoded:
             pc-pickle, the access path of the object.
     """
     buffer = io.BytesIO()
+    buffer.write(_PLAIN)
     pickler = _SetAsidePickler(buffer)
     try:
         pickler.dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError):
         return Encoded(_WHOLE + _by_value(obj, what))
     if not pickler.by_value:
-        return Encoded(_PLAIN + buffer.getvalue(), tuple(pickler.parts))
+        return Encoded(buffer.getvalue(), tuple(pickler.parts))
     blob = _by_value(pickler.by_value, what)
-    return Encoded(
-        b"".join((_BY_VALUE, _LENGTH.pack(len(blob)), blob, buffer.getvalue())), tuple(pickler.parts)
-    )
+    plain = buffer.getbuffer()[len(_PLAIN) :]
+    return Encoded(b"".join((_BY_VALUE, _LENGTH.pack(len(blob)), blob, plain)), tuple(pickler.parts))
 
 
 def _by_value(obj: Any, what: str) -> bytes:
