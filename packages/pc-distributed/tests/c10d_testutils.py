@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pc_distributed._torch_dist import link_device, pair_link
+from pc_distributed._torch_dist import link_devices, pair_link
 from pc_distributed.rpc._c10d_transport import C10dTransport
 
 DIED = "<died>"  # the result of a rank that was expected to die and did
@@ -46,8 +46,8 @@ def make_links(
     link makes its own (what the backend does on a torch without gloo's group options).
     """
     scoped = dist.PrefixStore(prefix, store)
-    device = link_device() if shared_device else None
-    return {r: pair_link(scoped, rank, r, link_timeout, device) for r in range(world_size) if r != rank}
+    devices = link_devices() if shared_device else None
+    return {r: pair_link(scoped, rank, r, link_timeout, devices) for r in range(world_size) if r != rank}
 
 
 def _child(

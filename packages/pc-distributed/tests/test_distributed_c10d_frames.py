@@ -48,12 +48,41 @@ def test_a_link_is_a_two_member_gloo_group_and_needs_gloo(monkeypatch: pytest.Mo
 
 
 def test_links_share_a_device_only_where_gloo_has_group_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _torch_dist.link_device() is not None  # every torch supported has them (private, so checked)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    devices = _torch_dist.link_devices()  # every torch supported has the options (private, so checked)
+    assert devices is not None
+    assert len(devices) == 1
 
     class Renamed:  # a torch whose options lost a field
         _devices = None
 
     monkeypatch.setattr(_torch_dist, "_GLOO_OPTIONS", Renamed)
-    assert _torch_dist.link_device() is None
+    assert _torch_dist.link_devices() is None
     monkeypatch.setattr(_torch_dist, "_GLOO_OPTIONS", None)
-    assert _torch_dist.link_device() is None
+    assert _torch_dist.link_devices() is None
+
+
+def test_shared_devices_follow_gloo_socket_ifname_as_torchs_own_groups_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[tuple[str, str]] = []
+
+    class Gloo:  # records which devices would be made
+        _Options = _torch_dist._GLOO_OPTIONS
+
+        @staticmethod
+        def create_device(interface: str = "") -> str:
+            made.append(("interface", interface))
+            return interface
+
+        @staticmethod
+        def create_default_device() -> str:
+            made.append(("default", ""))
+            return "default"
+
+    monkeypatch.setattr(_torch_dist, "_ProcessGroupGloo", Gloo)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1,eth2")
+    assert _torch_dist.link_devices() == ["eth1", "eth2"]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
+    assert _torch_dist.link_devices() == ["default"]
+    assert made == [("interface", "eth1"), ("interface", "eth2"), ("default", "")]

@@ -247,7 +247,7 @@ def _calls_both_ways(rank: int, t: C10dTransport, store: Any) -> list[Any]:
 
 
 def test_links_with_a_device_each_carry_the_same_calls() -> None:
-    # a torch without gloo's group options: every link makes its own device (link_device() is None)
+    # a torch without gloo's group options: every link makes its own device (link_devices() is None)
     results = run_ranks(_calls_both_ways, 3, shared_device=False)
     for rank, got in enumerate(results):
         assert got == [(rank, float(rank << 16))] * 2

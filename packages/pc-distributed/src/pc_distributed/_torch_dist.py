@@ -29,7 +29,7 @@ __all__ = [
     "check_backend",
     "destroy_pg",
     "init_pg",
-    "link_device",
+    "link_devices",
     "listen_socket",
     "master_store",
     "new_group",
@@ -52,7 +52,7 @@ _PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 _ProcessGroupGloo: Any = getattr(dist, "ProcessGroupGloo", None)
 # gloo's group options: private (``_Options`` with ``_devices``, ``_timeout``, ``_threads``) on every release
-# supported; where they are missing or named otherwise, each link makes its own device (link_device: None).
+# supported; where they are missing or named otherwise, each link makes its own device (link_devices: None).
 _GLOO_OPTIONS: Any = getattr(_ProcessGroupGloo, "_Options", None)
 _GLOO_OPTION_FIELDS = ("_devices", "_timeout", "_threads")
 # TensorPipe's event-driven transport (libuv, TCP); its "shm" and "ibv" transports busy-poll.
@@ -88,23 +88,27 @@ def rpc_available() -> bool:
     return bool(rpc.is_available())
 
 
-def link_device() -> Any | None:
-    """A gloo device for all of a process's links (:func:`pair_link`), or None where torch cannot share one.
+def link_devices() -> list[Any] | None:
+    """Gloo devices for all of a process's links (:func:`pair_link`), or None where torch cannot share them.
 
     A gloo device is an event-loop thread with its listening socket, and a ``ProcessGroupGloo`` made without
-    options makes one of its own. Links that share one run one loop thread per process instead of one per
-    peer: fewer threads to wake, and the events of several peers handled in one wait. Sharing needs gloo's
-    group options, which are private (see ``_GLOO_OPTIONS``); without them this returns None and every link
-    makes its own device, as before. The device follows ``GLOO_SOCKET_IFNAME`` as every gloo group's.
+    options makes its own. Links that share them run one loop thread per process instead of one per peer:
+    fewer threads to wake, and the events of several peers handled in one wait. The devices are the ones
+    torch's constructor would make: one per interface named in ``GLOO_SOCKET_IFNAME`` (comma-separated), else
+    the default device (the host name's address). Sharing needs gloo's group options, which are private (see
+    ``_GLOO_OPTIONS``); without them this returns None and every link makes its own devices, as before.
     """
     if _ProcessGroupGloo is None or _GLOO_OPTIONS is None:
         return None
     if not all(hasattr(_GLOO_OPTIONS, field) for field in _GLOO_OPTION_FIELDS):
         return None
-    return _ProcessGroupGloo.create_default_device()
+    named = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if len(named) > 1:  # torch's rule for the variable
+        return [_ProcessGroupGloo.create_device(interface=name) for name in named.split(",") if name]
+    return [_ProcessGroupGloo.create_default_device()]
 
 
-def pair_link(store: Any, me: int, other: int, timeout: float, device: Any = None) -> Any:
+def pair_link(store: Any, me: int, other: int, timeout: float, devices: list[Any] | None = None) -> Any:
     """A gloo process group of two members, ``me`` and ``other``, rendezvousing on ``store``.
 
     Both members call it (in the same order of pairs, so that no two wait on each other); the member with the
@@ -118,7 +122,7 @@ def pair_link(store: Any, me: int, other: int, timeout: float, device: Any = Non
         me: This member's number.
         other: The peer's number.
         timeout: Seconds of the rendezvous and of every later wait on the group (gloo's context timeout).
-        device: A device from :func:`link_device` to share, or None (the group makes its own).
+        devices: Devices from :func:`link_devices` to share, or None (the group makes its own).
 
     Raises:
         RuntimeError: torch's error if the peer does not arrive within ``timeout`` or gloo is not built in.
@@ -128,10 +132,10 @@ def pair_link(store: Any, me: int, other: int, timeout: float, device: Any = Non
     low, high = sorted((me, other))
     scoped = _PrefixStore(f"link/{low}-{high}", store)
     rank = 0 if me == low else 1
-    if device is None:
+    if devices is None:
         return _ProcessGroupGloo(scoped, rank, 2, timedelta(seconds=timeout))
     options = _GLOO_OPTIONS()
-    options._devices = [device]
+    options._devices = list(devices)
     options._timeout = timedelta(seconds=timeout)
     options._threads = 1  # the group's pool serves collectives, which links never run
     return _ProcessGroupGloo(scoped, rank, 2, options)

@@ -61,9 +61,9 @@ class C10dBackend:
         others = [r for r in range(len(names)) if r != rank]
 
         def make_links() -> dict[int, Any]:
-            device = _torch_dist.link_device()  # one event loop for all the links, where torch allows
+            devices = _torch_dist.link_devices()  # one event loop for all the links, where torch allows
             return {
-                other: _torch_dist.pair_link(store, rank, other, link_timeout, device) for other in others
+                other: _torch_dist.pair_link(store, rank, other, link_timeout, devices) for other in others
             }
 
         what = f"the c10d links of member {names[rank]!r} to {[names[r] for r in others]}"

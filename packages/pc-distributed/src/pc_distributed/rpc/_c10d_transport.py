@@ -57,7 +57,7 @@ one given peer is announced to it at once, so a frame costs one message, not a n
   posted send is waited for, or proven made by the reply to it, before its ``Work`` is dropped.
 
 The cost is a receiver thread and a lane per peer in each process, one gloo device (an event-loop thread) for
-all the links where torch lets links share one (:func:`pc_distributed._torch_dist.link_device`; else one per
+all the links where torch lets links share one (:func:`pc_distributed._torch_dist.link_devices`; else one per
 peer), and one rendezvous per pair at start: fine for the tens of members RPC groups have, not for thousands.
 
 **Parts are read from the tensors' own memory when they are sent**, which is after the call returns to the
