@@ -288,7 +288,7 @@ class C10dTransport:
             ConnectionError: If the member is already known to be lost or gone.
             RuntimeError: If the transport is shut down.
         """
-        pending = self._start(to_rank, CALL, fn, args, kwargs, timeout, "call", snapshot=True)
+        pending = self._start(to_rank, CALL, fn, args, kwargs, timeout, snapshot=True)
         out: torch.futures.Future[Any] = torch.futures.Future()
 
         def finish() -> None:
@@ -317,7 +317,7 @@ class C10dTransport:
         timeout: float | None = None,
     ) -> Any:
         """:meth:`call` and wait for the value (see there for arguments and errors)."""
-        pending = self._start(to_rank, CALL, fn, args, kwargs, timeout, "call")
+        pending = self._start(to_rank, CALL, fn, args, kwargs, timeout)
         return self._wait(pending)
 
     def remote(
@@ -340,7 +340,7 @@ class C10dTransport:
             ConnectionError: If the member is already known to be lost or gone.
             RuntimeError: If the transport is shut down.
         """
-        pending = self._start(to_rank, REMOTE, fn, args, kwargs, timeout, "remote", snapshot=True)
+        pending = self._start(to_rank, REMOTE, fn, args, kwargs, timeout, snapshot=True)
         return C10dRemoteRef(self, to_rank, pending.call_id, pending)
 
     def shutdown(self, timeout: float | None = None, drain: bool = True) -> None:
@@ -414,9 +414,10 @@ class C10dTransport:
         args: Any,
         kwargs: Any,
         timeout: float | None,
-        what: str,
+        *,
         snapshot: bool = False,
     ) -> PendingCall:
+        what = "remote" if kind == REMOTE else "call"
         to_rank = int_in_range("to_rank", to_rank, len(self._names))
         seconds = optional_timeout("timeout", timeout)
         seconds = self._timeout if seconds is None else seconds
