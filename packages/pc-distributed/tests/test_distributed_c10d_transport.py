@@ -253,6 +253,38 @@ def test_links_with_a_device_each_carry_the_same_calls() -> None:
         assert got == [(rank, float(rank << 16))] * 2
 
 
+def _housekeeper_wakes_after_answered_calls(rank: int, t: C10dTransport, store: Any) -> tuple[int, int]:
+    """Answered calls with short deadlines, then a quiet window past them: the housekeeper's wakes in it."""
+    wakes = []
+    expire_due = t._expire_due
+
+    def counting(now: float) -> None:
+        wakes.append(now)
+        expire_due(now)
+
+    t._expire_due = counting  # type: ignore[method-assign]  # called once per wake of the housekeeper
+    answered = 0
+    if rank == 0:
+        for i in range(40):
+            answered += t.call_sync(1, abs, (i,), timeout=0.3) == i
+    store_barrier(store, "calls", [0, 1], rank)
+    before = len(wakes)
+    # an observation window, not a synchronisation: every deadline of the calls above passes within it
+    threading.Event().wait(0.8)
+    return answered, len(wakes) - before
+
+
+def test_the_housekeeper_does_not_wake_for_the_deadlines_of_answered_calls() -> None:
+    # Keep-alives every 15 s: in the window only a deadline can wake the housekeeper. It may wake once, at
+    # the earliest deadline it planned for, and then finds every call answered; it used to wake for the
+    # deadline of each answered call in turn (about 40 wakes here).
+    results = run_ranks(_housekeeper_wakes_after_answered_calls, 2, link_timeout=60.0)
+    answered, wakes = results[0]
+    assert answered == 40
+    assert wakes <= 2
+    assert results[1] == (0, 0)
+
+
 # -- failure paths ------------------------------------------------------------------------------------------
 
 

@@ -52,12 +52,13 @@ __all__ = [
     "VALUE",
     "Buffers",
     "Header",
+    "HeaderReceive",
     "Incoming",
     "Posted",
     "check_host_tensor",
     "post_frame",
+    "post_header",
     "receive_body",
-    "receive_header",
     "receive_parts",
 ]
 
@@ -221,33 +222,53 @@ def post_frame(
     return Posted(works, None if inline else body)
 
 
-def receive_header(group: Any, src: int) -> Header | str:
-    """Receive the next header from rank ``src`` of the link ``group``.
+class HeaderReceive(NamedTuple):
+    """The receive of a link's next header, posted (:func:`post_header`): :meth:`take` it to wait for it."""
 
-    Blocks; gloo bounds the wait by the link's timeout. The receive is announced to the peer as soon as it is
-    posted, so a send that comes later goes out at once (one message), and it fails as soon as the peer's
-    connection closes (its process died).
+    frame: torch.Tensor  # written by gloo until the receive is done
+    work: Any
 
-    Returns:
-        The header, or a description of the bytes when they are not a header of this layout.
+    def take(self) -> Header | str:
+        """Wait for the header and read it.
+
+        Blocks; gloo bounds the wait by the link's timeout, and ends it as soon as the peer's connection
+        closes (its process died).
+
+        Returns:
+            The header, or a description of the bytes when they are not a header of this layout.
+
+        Raises:
+            RuntimeError: torch's error if the receive failed (the peer is gone, the link's timeout ran out).
+        """
+        self.work.wait()
+        words = _WORDS.unpack_from(memoryview(self.frame.numpy()))  # type: ignore[arg-type]
+        magic, kind, src, call_id, aux, nbytes, inline, nparts = words
+        if (
+            magic != _MAGIC
+            or kind not in KINDS
+            or nbytes < _SIZE.size * nparts
+            or nparts < 0
+            or (inline and nbytes > INLINE_MAX)
+        ):
+            return f"not a frame header: {list(words)}"
+        body = self.frame[_WORDS.size : _WORDS.size + nbytes] if inline else None
+        return Header(kind, src, call_id, aux, nbytes, body, nparts)
+
+
+def post_header(group: Any, src: int) -> HeaderReceive:
+    """Post the receive of the next header from rank ``src`` of the link ``group``, without waiting for it.
+
+    The receive is announced to the peer as soon as it is posted, so a send that comes later goes out at once
+    (one message). Headers and the rest of a frame travel under different tags, so the next header's receive
+    may be posted while the current frame's body and parts are still to be received: a receiver that posts it
+    before handing the frame on has it waiting in gloo while it hands on, and does not post it while the
+    thread it just woke wants to run.
 
     Raises:
-        RuntimeError: torch's error if the receive failed (the peer is gone, the link's timeout ran out).
+        RuntimeError: torch's error if the link is closed.
     """
     frame = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-    _posted(group.recv([frame], src, HEADER_TAG)).wait()
-    words = _WORDS.unpack_from(memoryview(frame.numpy()))  # type: ignore[arg-type]
-    magic, kind, src, call_id, aux, nbytes, inline, nparts = words
-    if (
-        magic != _MAGIC
-        or kind not in KINDS
-        or nbytes < _SIZE.size * nparts
-        or nparts < 0
-        or (inline and nbytes > INLINE_MAX)
-    ):
-        return f"not a frame header: {list(words)}"
-    body = frame[_WORDS.size : _WORDS.size + nbytes] if inline else None
-    return Header(kind, src, call_id, aux, nbytes, body, nparts)
+    return HeaderReceive(frame, _posted(group.recv([frame], src, HEADER_TAG)))
 
 
 def receive_body(group: Any, src: int, nbytes: int, buffers: Buffers) -> torch.Tensor:

@@ -18,6 +18,7 @@ Data flow (one process; ``~~`` is a link's point-to-point ops, ``>>`` a queue)::
     receiver thread for peer p <~~recv from p~~ frames of p <~~ reply posted by one of p's workers --'
          | request >> workers: handler(fn, args, kwargs), reply posted to the caller
     housekeeper: keep-alive pings, call deadlines, releases of garbage-collected remote references
+    (it sleeps until the next keep-alive or the earliest deadline of a call still pending)
 
 **Frames** (:mod:`pc_distributed.rpc._c10d_frames`): a fixed-size header with the kind, the sender, the call
 id, the body's length and the number of parts, then the body (the parts' sizes and the pickle's head) as a
@@ -36,6 +37,8 @@ tensors it carries), and hands the frame on: requests to a small pool of worker 
 (never a receiver, so a handler may call back into its caller), replies to the waiting call. Nothing polls:
 every thread sleeps in a blocking wait that a frame, a queued item or a deadline ends. A receive posted for
 one given peer is announced to it at once, so a frame costs one message, not a notification round trip more.
+A receiver posts the next header's receive before it hands a frame on: posting releases the GIL, and done
+after the hand-off it would contend for it with the thread just woken, a context switch each way.
 
 **Why a link per pair** (gloo's ``transport/tcp/unbound_buffer.cc``, ``context.cc``, ``pair.cc``; torch's
 ``ProcessGroupGloo.cpp``): a failure in gloo is a failure of a whole group.
@@ -123,8 +126,8 @@ from pc_distributed.rpc._c10d_frames import (
     Incoming,
     Posted,
     post_frame,
+    post_header,
     receive_body,
-    receive_header,
     receive_parts,
 )
 from pc_distributed.rpc._c10d_state import STOP, Peer, PendingCall, Workers
@@ -218,7 +221,8 @@ class C10dTransport:
         }
         self._ids = itertools.count(1)
         self._pending: dict[int, PendingCall] = {}
-        self._deadlines: list[tuple[float, int]] = []
+        self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, call id)
+        self._housekeeper_due = now  # when the housekeeper wakes next, at the latest (it starts at once)
         self._owned: dict[tuple[int, int], Any] = {}  # (creator, call id) -> value kept for a remote ref
         self._creating: set[tuple[int, int]] = set()  # remote calls running, whose value is not kept yet
         self._released_early: set[tuple[int, int]] = set()
@@ -447,9 +451,11 @@ class C10dTransport:
         pending = PendingCall(to_rank, call_id, time.monotonic() + seconds, seconds, what)
         with self._lock:
             self._pending[call_id] = pending
-            first = not self._deadlines or pending.deadline < self._deadlines[0][0]
             heapq.heappush(self._deadlines, (pending.deadline, call_id))
-        if first:
+            sooner = pending.deadline < self._housekeeper_due
+            if sooner:
+                self._housekeeper_due = pending.deadline
+        if sooner:
             self._chores.put(None)  # the housekeeper's next wake-up moves earlier
         self._send(to_rank, kind, call_id, message, aux, pending)
         return pending
@@ -597,12 +603,21 @@ class C10dTransport:
     # -- receiving -------------------------------------------------------------------------------------------
 
     def _receive_loop(self, peer: Peer) -> None:
-        """The receiver of ``peer``'s frames, one at a time on its link, until it is gone."""
+        """The receiver of ``peer``'s frames, one at a time on its link, until it is gone.
+
+        The next header's receive is posted before a frame is handed on (:func:`~._c10d_frames.post_header`),
+        except after a goodbye, which is the peer's last frame.
+        """
         try:
-            while not peer.gone:
+            try:
+                posted = post_header(peer.link, peer.link_rank)
+            except Exception as exc:  # torch's RuntimeError: the link is closed
+                self._lose(peer.rank, f"receiving from it failed ({exc})")
+                return
+            while True:
                 try:
                     # keep-alives end the wait before the link's timeout
-                    header = receive_header(peer.link, peer.link_rank)
+                    header = posted.take()
                 except Exception as exc:  # torch's RuntimeError: the connection closed or the link timed out
                     self._lose(peer.rank, f"receiving from it failed ({exc})")
                     return
@@ -617,6 +632,8 @@ class C10dTransport:
                         body = receive_body(peer.link, peer.link_rank, header.nbytes, self._buffers)
                     if body is not None:
                         message = receive_parts(peer.link, peer.link_rank, body, header.nparts)
+                    if header.kind != BYE:
+                        posted = post_header(peer.link, peer.link_rank)
                 except Exception as exc:  # its connection closed mid-frame, or no memory for the message
                     self._lose(peer.rank, f"receiving a frame's message from it failed ({exc})")
                     return
@@ -624,6 +641,8 @@ class C10dTransport:
                     self._lose(peer.rank, f"a malformed frame arrived from it ({message})")
                     return
                 self._on_frame(peer.rank, header.kind, header.call_id, header.aux, message)
+                if peer.gone:
+                    return  # a posted header receive is dropped with its link (memory-safe in gloo)
         finally:
             peer.receiver_done.set()
 
@@ -793,8 +812,10 @@ class C10dTransport:
                         due = min(due, p.last_sent + self._keepalive)
                         if not p.heard_bye:
                             due = min(due, p.last_heard + self._link_timeout)
-                if self._deadlines:
-                    due = min(due, self._deadlines[0][0])
+                deadline = self._next_deadline_locked()
+                if deadline is not None:
+                    due = min(due, deadline)
+                self._housekeeper_due = due
             try:
                 item = self._chores.get(timeout=max(0.0, due - now))  # a chore, or the next due time
             except queue.Empty:
@@ -805,6 +826,17 @@ class C10dTransport:
                 self._release(*item)
             self._expire_due(time.monotonic())
             self._keep_alive(time.monotonic())
+
+    def _next_deadline_locked(self) -> float | None:
+        """The earliest deadline of a call still pending, or None (call under ``self._lock``).
+
+        A call's deadline stays in the heap when its reply comes; such entries are dropped here as they reach
+        its top, so the housekeeper never wakes for the deadline of a call that has ended (call ids are never
+        reused, so an entry whose id is not pending is one of those).
+        """
+        while self._deadlines and self._deadlines[0][1] not in self._pending:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
 
     def _expire_due(self, now: float) -> None:
         expired = []
