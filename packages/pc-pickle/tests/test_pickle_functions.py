@@ -179,6 +179,53 @@ def test_main_function_in_fresh_interpreter_and_import_hygiene() -> None:
     assert fn(4) == 12.5
 
 
+_SPAWNED_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, multiprocessing, sys
+    import pc_pickle
+
+    OFFSET = 100
+    POINTER = ctypes.pointer(ctypes.c_int(1))  # a global that cannot be pickled
+
+    def job():
+        # runs in a spawned process, where this script is the module __mp_main__
+        scale = 3
+
+        class Shifted:  # a local class: by value, its method's globals with it
+            def __call__(self, x):
+                return x + OFFSET + scale
+
+        made = {
+            "closure": lambda x: x * scale,
+            "global": lambda x: x + OFFSET,
+            "plain": lambda x: -x,
+            "class": Shifted(),
+        }
+        return __name__, {name: pc_pickle.dumps(fn) for name, fn in made.items()}
+
+    if __name__ == "__main__":
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            module, dumped = pool.apply_async(job).get(timeout=60)
+        fns = {name: pc_pickle.loads(data) for name, data in dumped.items()}
+        sys.stdout.buffer.write(pc_pickle.dumps((module, {name: fn(2) for name, fn in fns.items()})))
+    """
+)
+
+
+def test_lambdas_of_a_spawned_process_main_module_carry_only_what_they_reference(tmp_path: Path) -> None:
+    # run_world and torch.multiprocessing start ranks with spawn: the script runs there as __mp_main__, and a
+    # lambda defined in it used to carry that module's whole namespace (here an unpicklable pointer) and fail
+    script = tmp_path / "spawned_main.py"
+    script.write_text(_SPAWNED_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, timeout=120, check=False, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    module, values = pc_pickle.loads(done.stdout)
+    assert module == "__mp_main__"
+    assert values == {"closure": 6, "global": 102, "plain": -2, "class": 105}
+
+
 def test_functions_in_containers_share_one_dill_payload() -> None:
     fn: Callable[[int], int] = lambda x: x  # noqa: E731
     data = pc_pickle.dumps([fn] * 50)

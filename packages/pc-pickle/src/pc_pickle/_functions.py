@@ -57,6 +57,9 @@ _CANDIDATES: tuple[Any, ...] = (
 DILL_ONLY_TYPES: frozenset[type] = frozenset(cls for cls in _CANDIDATES if cls in dill.Pickler.dispatch)
 
 
+_MAIN_SCRIPT = frozenset(("__main__", "__mp_main__"))  # the module names of the script a process runs
+
+
 def needs_by_value(obj: Any) -> bool:
     """Whether a function or class must be pickled by value (a by-name reference would not load it back).
 
@@ -126,10 +129,12 @@ def reduce_by_value(obj: Any, table: StorageTable, recurse: bool, read_files: bo
     Returns:
         A reduce tuple that loads the object with :func:`_rebuild_dill`.
     """
-    # Code defined in __main__ always carries the globals it references by value, as cloudpickle does: the
-    # loader's __main__ is another script (a spawned worker re-runs the file without its `if __name__ ==
-    # "__main__":` block), so a by-name lookup there fails with NameError (dill#126).
-    by_value_globals = recurse or getattr(obj, "__module__", None) == "__main__"
+    # Code defined in the main script always carries the globals it references by value, as cloudpickle
+    # does: the loader's __main__ is another script (a spawned worker re-runs the file without its `if
+    # __name__ == "__main__":` block), so a by-name lookup there fails with NameError (dill#126). In a process
+    # started with spawn the script is __mp_main__ (also __main__ in sys.modules, which dill takes for the
+    # main module and, without recurse, pickles whole, every global of the script with it).
+    by_value_globals = recurse or getattr(obj, "__module__", None) in _MAIN_SCRIPT
     buffer = io.BytesIO()
     _DillPickler(buffer, table, by_value_globals, read_files).dump(obj)
     return (_rebuild_dill, (buffer.getvalue(),))
