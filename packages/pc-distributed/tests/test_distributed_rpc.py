@@ -136,6 +136,7 @@ def _rpc_checks(rank: int) -> dict[str, Any]:
     out["unpicklable_service_result"] = _catch(
         group.registered_sync, "apply", args=(lambda _: make_generator(), 0)
     )
+    out["ref_as_argument"] = _catch(group.rpc_sync, peer, repr, args=(group.remote(peer, add, args=(1, 2)),))
     out["not_member_target"] = _catch(group.rpc_sync, "9", add, args=(1, 2))
     out["bad_args"] = _catch(group.rpc_sync, "1", add, args=5)
     out["bad_timeout"] = _catch(group.rpc_sync, "1", add, timeout=0, args=(1, 2))
@@ -289,6 +290,16 @@ def test_a_result_neither_pickler_carries_is_a_type_error_naming_it(observed: li
             kind, text, _ = o[case]
             assert kind == "TypeError", (case, o[case])
             assert "generator" in text, (case, o[case])
+
+
+def test_a_remote_ref_sent_to_another_member_is_a_type_error_saying_what_to_do(
+    observed: list[dict[str, Any]],
+) -> None:
+    for o in observed:
+        kind, text, _ = o["ref_as_argument"]
+        assert kind == "TypeError", o["ref_as_argument"]
+        assert "a RemoteRef" in text, text
+        assert "to_here()" in text, text
 
 
 def test_pair_register_semantics_and_messages(observed: list[dict[str, Any]]) -> None:

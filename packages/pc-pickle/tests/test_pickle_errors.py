@@ -41,6 +41,36 @@ def test_unpicklable_closure_variable_path() -> None:
         pc_pickle.dumps([1, 2, lambda: gen])
 
 
+class _RefusesToTravel:
+    """Holds an unpicklable attribute but says itself why it cannot be pickled."""
+
+    def __init__(self) -> None:
+        self.gen = _generator()
+
+    def __reduce__(self) -> object:
+        raise TypeError("a _RefusesToTravel stays where it was made")
+
+
+class _ReducesToItsGenerator:
+    def __init__(self) -> None:
+        self.harmless = 1
+        self.gen = _generator()
+
+    def __reduce__(self) -> object:
+        return (list, (self.gen,))
+
+
+def test_an_object_whose_own_reduce_refuses_is_the_culprit_not_its_attributes() -> None:
+    with pytest.raises(pc_pickle.UnpicklableObjectError) as info:
+        pc_pickle.dumps({"held": [_RefusesToTravel()]})
+    assert info.value.path == "obj['held'][0]"
+    assert "stays where it was made" in str(info.value)
+    # an object that reduces itself is walked through what its reduce returns, not through its attributes
+    with pytest.raises(pc_pickle.UnpicklableObjectError) as info:
+        pc_pickle.dumps([_ReducesToItsGenerator()])
+    assert info.value.path == "obj[0].<reduce arg 0>"
+
+
 def test_objects_only_dill_can_pickle_are_pickled() -> None:
     model = torch.nn.Linear(2, 2)
     model.lock = threading.Lock()  # type: ignore[assignment]

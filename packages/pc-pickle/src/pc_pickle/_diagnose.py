@@ -19,7 +19,31 @@ __all__ = ["find_unpicklable"]
 _MAX_DEPTH = 100
 
 
+def _reduces_itself(cls: type) -> bool:
+    """Whether ``cls`` says how it pickles (its own ``__reduce_ex__`` or ``__reduce__``): not by its dict."""
+    own: Any = (cls.__reduce_ex__, cls.__reduce__)
+    return bool(own != (object.__reduce_ex__, object.__reduce__))
+
+
+def _reduce_children(obj: Any) -> Iterator[tuple[str, Any]]:
+    """What ``obj``'s reduce hands the pickler (nothing when the reduce itself fails: obj is the culprit)."""
+    try:
+        reduced = obj.__reduce_ex__(5)
+    except Exception:
+        return
+    if isinstance(reduced, tuple):
+        for i, arg in enumerate(reduced[1] if len(reduced) > 1 else ()):
+            yield f".<reduce arg {i}>", arg
+        if len(reduced) > 2 and reduced[2] is not None:
+            yield ".<state>", reduced[2]
+
+
 def _object_children(obj: Any) -> Iterator[tuple[str, Any]]:
+    if _reduces_itself(type(obj)):
+        # what it pickles is what its reduce returns, not its attributes (a reduce that refuses makes it the
+        # culprit, whatever it holds)
+        yield from _reduce_children(obj)
+        return
     attrs = getattr(obj, "__dict__", None)
     if isinstance(attrs, dict):
         for name, value in attrs.items():
@@ -34,15 +58,7 @@ def _object_children(obj: Any) -> Iterator[tuple[str, Any]]:
             if isinstance(slot, str) and slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
                 yield f".{slot}", getattr(obj, slot)
     if attrs is None and not hasattr(type(obj), "__slots__"):
-        try:
-            reduced = obj.__reduce_ex__(5)
-        except Exception:  # the reduce itself failed: obj is the culprit
-            return
-        if isinstance(reduced, tuple):
-            for i, arg in enumerate(reduced[1] if len(reduced) > 1 else ()):
-                yield f".<reduce arg {i}>", arg
-            if len(reduced) > 2 and reduced[2] is not None:
-                yield ".<state>", reduced[2]
+        yield from _reduce_children(obj)
 
 
 def _function_children(fn: types.FunctionType) -> Iterator[tuple[str, Any]]:

@@ -21,6 +21,9 @@ __all__ = ["RemoteRef"]
 class RemoteRef:
     """A reference to a value owned by a member (from ``remote``, ``registered_remote``, ``get_paired``).
 
+    It belongs to the process that got it: an argument or result holding one is refused with a
+    ``TypeError`` on either backend (the c10d backend's references are not counted across processes).
+
     Args:
         rref: The backend's remote value (torch's ``RRef`` on TensorPipe) holding an envelope.
         owner_name: Name of the owning member.
@@ -70,6 +73,13 @@ class RemoteRef:
     def confirmed_by_owner(self) -> bool:
         """Whether the owner has confirmed the reference."""
         return bool(self.rref.confirmed_by_owner())
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"a RemoteRef (of a value on {self._owner_name!r}) belongs to the process that got it and "
+            "cannot be sent to another: send its value (to_here()), or let the other member get its own "
+            "reference (pair the value and call get_paired there)"
+        )
 
     def __repr__(self) -> str:
         return f"RemoteRef(owner={self._owner_name!r})"
