@@ -21,8 +21,7 @@ _MAX_DEPTH = 100
 
 def _reduces_itself(cls: type) -> bool:
     """Whether ``cls`` says how it pickles (its own ``__reduce_ex__`` or ``__reduce__``): not by its dict."""
-    own: Any = (cls.__reduce_ex__, cls.__reduce__)
-    return bool(own != (object.__reduce_ex__, object.__reduce__))
+    return any("__reduce_ex__" in vars(klass) or "__reduce__" in vars(klass) for klass in cls.__mro__[:-1])
 
 
 def _reduce_children(obj: Any) -> Iterator[tuple[str, Any]]:

@@ -67,7 +67,9 @@ def needs_by_value(obj: Any) -> bool:
         obj: A function or a class.
 
     Returns:
-        True for lambdas, local and ``__main__`` definitions, and objects not found under their own name.
+        True for lambdas, local and ``__main__`` definitions, and objects not found under their own name. A
+        top-level definition of a spawned process's script (``__mp_main__``) is found by name: the processes
+        spawned from one script import it under that name, and the parent has it as an alias of ``__main__``.
     """
     module_name = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None)
