@@ -165,3 +165,51 @@ def test_what_only_dill_pickles_goes_whole_by_value() -> None:
 def test_what_neither_can_pickle_is_a_type_error_naming_it() -> None:
     with socket.socket() as sock, pytest.raises(TypeError, match=r"the call cannot be pickled: .*socket"):
         encode((named, (sock,)), "the call")
+
+
+def test_a_snapshot_copies_only_the_parts_that_are_not_copies_already() -> None:
+    shared, private = torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)
+    message = Encoded(b"R", (shared, private), frozenset({1}))
+    snapshot = message.snapshot()
+    assert snapshot.parts[1] is private  # a host copy of a device storage is not copied again
+    assert snapshot.parts[0] is not shared
+    assert torch.equal(snapshot.parts[0], shared)
+    assert snapshot.copied == frozenset({0, 1})
+    assert snapshot.snapshot() is snapshot
+
+
+def test_a_tensor_for_a_cuda_device_the_receiver_lacks_is_a_value_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pc_distributed.rpc import _c10d_codec
+
+    missing = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+    as_sent = _c10d_codec._SetAsidePickler._tensor_pid
+
+    def from_a_device(self: Any, key: int, tensor: torch.Tensor) -> tuple[Any, ...]:
+        return (*as_sent(self, key, tensor)[:-1], missing)  # what a sender on that device writes
+
+    monkeypatch.setattr(_c10d_codec._SetAsidePickler, "_tensor_pid", from_a_device)
+    for size in (4, PART_MIN_BYTES):  # inside the pickle, and as a part
+        message = encode((torch.zeros(size, dtype=torch.uint8),), "the call")
+        with pytest.raises(ValueError, match=f"arrived for {missing}.*CUDA device"):
+            decode(memoryview(message.head), _received(message))
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_cross_as_one_host_copy_each_way_and_keep_their_device_and_sharing() -> None:
+    big = torch.arange(PART_MIN_BYTES // 2, dtype=torch.float32, device="cuda:0")
+    small = torch.arange(6.0, device="cuda:0").reshape(2, 3)
+    message = encode((big, big[10:], small, small.t(), torch.ones(2)), "the call")
+    assert len(message.parts) == 1
+    assert message.copied == frozenset({0})
+    assert message.parts[0].device.type == "cpu"
+    assert message.parts[0].is_pinned()
+    big.zero_()  # the part is a copy made at encode: later writes on the device do not reach it
+    got_big, got_view, got_small, got_t, host = decode(memoryview(message.head), _received(message))
+    assert (got_big.device, got_small.device, host.device) == (big.device, small.device, torch.device("cpu"))
+    assert torch.equal(got_big.cpu(), torch.arange(PART_MIN_BYTES // 2, dtype=torch.float32))
+    assert got_view.untyped_storage().data_ptr() == got_big.untyped_storage().data_ptr()
+    assert got_t.stride() == (1, 3)
+    assert torch.equal(got_t.cpu(), small.t().cpu())
+    assert message.snapshot().parts[0] is message.parts[0]

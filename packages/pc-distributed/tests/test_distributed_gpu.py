@@ -105,3 +105,55 @@ def test_c10d_backend_carries_cuda_tensors_both_ways(cuda_devices: int) -> None:
     assert results[0]["sync"] == expected
     assert results[0]["remote"] == expected
     assert results[0]["lambda"] == "cuda"
+
+
+def _copies_seen(prof: Any) -> dict[str, int]:
+    """Per direction ("Memcpy DtoH", "Memcpy HtoD", ...), the copies the profiler saw on the device."""
+    seen: dict[str, int] = {}
+    for event in prof.key_averages():
+        if event.key.startswith("Memcpy "):
+            direction = event.key.split(" (")[0]
+            seen[direction] = seen.get(direction, 0) + event.count
+    return seen
+
+
+def _c10d_host_copies(rank: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    world = pd.get_world()
+    assert world is not None
+    group = world.create_rpc_group("copies", ["0", "1"])
+    if rank == 1:
+        group.register("double", _doubled_with_device)
+    sent = torch.ones(1 << 20, device="cuda:0")  # 4 MB: a part of the message
+    probe = torch.ones(4, device="cuda:0")
+    group.barrier(timeout=60)
+    if rank == 0:
+        group.registered_sync("double", args=(sent,))  # the first call sets up what later calls reuse
+    group.barrier(timeout=60)
+    out: dict[str, Any] = {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        group.barrier(timeout=60)
+        probe.cpu()  # a copy the profiler must see: without it, this profiler sees no device copies
+        if rank == 0:
+            value, _ = group.registered_sync("double", args=(sent,))
+        group.barrier(timeout=60)
+        torch.cuda.synchronize()
+    out["copies"] = _copies_seen(prof)
+    if rank == 0:
+        out["value"] = (value.device.type, float(value.sum()))  # read after profiling: .sum() is a copy too
+    group.barrier(timeout=60)
+    return out
+
+
+@pytest.mark.gpu
+def test_c10d_moves_a_cuda_tensor_through_the_host_once_each_way(cuda_devices: int) -> None:
+    """Over gloo (two ranks on one GPU) a CUDA argument costs one device-to-host copy on the caller and one
+    host-to-device copy on the callee, and the CUDA result the same the other way: nothing more."""
+    results = pd.run_world(_c10d_host_copies, 2, rpc_backend="c10d", timeout=170)
+    if any(r["copies"].get("Memcpy DtoH", 0) == 0 for r in results):
+        pytest.skip(f"this profiler sees no device copies (it saw {[r['copies'] for r in results]})")
+    assert results[0]["value"] == ("cuda", 2.0 * (1 << 20))
+    # each rank: the probe's copy, plus the one copy out of what it sends and the one copy in of what it gets
+    assert results[0]["copies"] == {"Memcpy DtoH": 2, "Memcpy HtoD": 1}
+    assert results[1]["copies"] == {"Memcpy DtoH": 2, "Memcpy HtoD": 1}

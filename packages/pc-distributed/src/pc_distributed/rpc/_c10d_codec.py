@@ -14,10 +14,14 @@ TensorPipe. So :func:`encode` pickles the graph with plain pickle and sets aside
   (a copy of a few kilobytes costs less than one more message). Tensors that share a storage still share one
   on arrival; a tensor that views less than half of a large storage sends a compact copy of its own elements
   instead of the whole storage.
+- **CUDA tensors** (plain, strided): the same, through the host. A storage is copied once from the device into
+  host memory (pinned when it becomes a part, so the copy runs at the bus's speed), which then travels like
+  a host storage; the receiver copies it once onto the device of the same index. gloo's point-to-point ops
+  can only read host memory, so one copy out and one copy in is the least a CUDA tensor costs on this
+  transport. A receiver that lacks the device gets a :class:`ValueError` naming it.
 - **everything else plain pickle should not carry itself**: functions and classes that have no loadable name,
-  other tensors (CUDA tensors, which pc-pickle moves through pinned host memory; subclasses such as
-  ``nn.Parameter``; sparse and quantized ones) and bare storages. They go by value with pc-pickle, in one
-  blob inside the head.
+  other tensors (subclasses such as ``nn.Parameter``; sparse and quantized ones; other device types) and
+  bare storages. They go by value with pc-pickle, in one blob inside the head.
 
 An :class:`Encoded` message is a *head* (bytes) and its *parts* (uint8 host tensors). Three head forms:
 
@@ -59,14 +63,22 @@ _ALWAYS_PLAIN = frozenset((str, bytes, int, float, bool, type(None), tuple, list
 
 
 class Encoded(NamedTuple):
-    """A pickled message: the head's bytes and the parts (contiguous uint8 host tensors) that follow it."""
+    """A pickled message: the head's bytes and the parts (contiguous uint8 host tensors) that follow it.
+
+    ``copied`` holds the indices of the parts that are already copies made for this message (the host copies
+    of CUDA storages): no later write to the sender's tensors reaches them.
+    """
 
     head: bytes
     parts: tuple[torch.Tensor, ...] = ()
+    copied: frozenset[int] = frozenset()
 
     def snapshot(self) -> Encoded:
         """The same message with parts of its own: copies, which later writes to the tensors do not reach."""
-        return self._replace(parts=tuple(p.clone() for p in self.parts)) if self.parts else self
+        if len(self.copied) == len(self.parts):
+            return self
+        parts = tuple(p if i in self.copied else p.clone() for i, p in enumerate(self.parts))
+        return self._replace(parts=parts, copied=frozenset(range(len(parts))))
 
 
 def _loads_by_name(obj: Any) -> bool:
@@ -81,10 +93,11 @@ def _loads_by_name(obj: Any) -> bool:
     return target is obj
 
 
-def _is_plain_host_tensor(obj: object) -> TypeGuard[torch.Tensor]:
+def _is_plain_tensor(obj: object) -> TypeGuard[torch.Tensor]:
+    """Whether ``obj`` is a plain strided tensor on the host or a CUDA device (set aside by its storage)."""
     return (
         type(obj) is torch.Tensor
-        and obj.device.type == "cpu"
+        and obj.device.type in ("cpu", "cuda")
         and obj.layout == torch.strided
         and not obj.is_quantized
         and not obj.is_nested
@@ -94,8 +107,27 @@ def _is_plain_host_tensor(obj: object) -> TypeGuard[torch.Tensor]:
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A uint8 tensor over all of ``storage``'s memory (no copy)."""
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+    """A uint8 tensor over all of ``storage``'s memory, on the storage's device (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _to_host(data: torch.Tensor) -> torch.Tensor:
+    """A host copy of the device bytes ``data``: pinned when it will travel as a part (a full-speed copy)."""
+    host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=data.numel() >= PART_MIN_BYTES)
+    host.copy_(data)  # synchronous: ordered after the work queued on the tensor's current stream
+    return host
+
+
+def _device_for(name: str) -> torch.device:
+    """The CUDA device ``name`` of an arriving tensor, checked to exist in this process."""
+    device = torch.device(name)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (device.index or 0) >= count:
+        raise ValueError(
+            f"a tensor arrived for {name}, but this process sees {count} CUDA device(s): send it from a "
+            "device the receiver has, or move it to the CPU first"
+        )
+    return device
 
 
 def _span_bytes(tensor: torch.Tensor) -> int:
@@ -113,8 +145,9 @@ class _SetAsidePickler(pickle.Pickler):
         super().__init__(file, protocol=5)
         self.by_value: list[Any] = []
         self.parts: list[torch.Tensor] = []
+        self.copied: set[int] = set()  # indices of parts that are host copies of device storages
         self._seen: dict[int, Any] = {}  # id of an object set aside -> its persistent id when seen again
-        self._storages: dict[tuple[int, int], int] = {}  # (address, bytes) of a storage sent -> its key
+        self._storages: dict[tuple[torch.device, int, int], int] = {}  # (device, address, bytes) -> key
         self._alive: list[Any] = []  # what was set aside stays alive while pickling, so ids stay unique
 
     def persistent_id(self, obj: Any) -> Any:
@@ -127,7 +160,7 @@ class _SetAsidePickler(pickle.Pickler):
         if again is not None:
             return again
         self._alive.append(obj)
-        if _is_plain_host_tensor(obj):
+        if _is_plain_tensor(obj):
             key = len(self._seen)
             pid = self._tensor_pid(key, obj)
             self._seen[id(obj)] = ("s", key)
@@ -138,7 +171,7 @@ class _SetAsidePickler(pickle.Pickler):
 
     def _tensor_pid(self, key: int, tensor: torch.Tensor) -> tuple[Any, ...]:
         storage = tensor.untyped_storage()
-        address = (storage.data_ptr(), storage.nbytes())
+        address = (tensor.device, storage.data_ptr(), storage.nbytes())
         offset, stride = tensor.storage_offset(), tensor.stride()
         skey = self._storages.get(address)
         source: Any = None  # None: a storage sent before in this message (the receiver has it by skey)
@@ -147,14 +180,21 @@ class _SetAsidePickler(pickle.Pickler):
                 # a small view of a large storage: send a compact copy of its elements, not the storage
                 tensor = tensor.detach().clone(memory_format=torch.contiguous_format)
                 storage, offset, stride = tensor.untyped_storage(), 0, tensor.stride()
-                address = (storage.data_ptr(), storage.nbytes())
+                address = (tensor.device, storage.data_ptr(), storage.nbytes())
                 self._alive.append(tensor)
             skey = self._storages[address] = len(self._storages)
+            data = _bytes_of(storage)
+            on_device = tensor.device.type != "cpu"
+            if on_device:
+                data = _to_host(data)
             if storage.nbytes() >= PART_MIN_BYTES:
                 source = len(self.parts)
-                self.parts.append(_bytes_of(storage))
-            else:  # pickled straight from the storage's memory (one copy), loaded as a bytearray
-                source = pickle.PickleBuffer(_bytes_of(storage).numpy())  # type: ignore[arg-type]
+                self.parts.append(data)
+                if on_device:
+                    self.copied.add(source)
+            else:  # pickled straight from the storage's (or its host copy's) memory, loaded as a bytearray
+                source = pickle.PickleBuffer(data.numpy())  # type: ignore[arg-type]
+                self._alive.append(data)
         return (
             "t",
             key,
@@ -165,6 +205,7 @@ class _SetAsidePickler(pickle.Pickler):
             stride,
             offset,
             tensor.requires_grad,
+            None if tensor.device.type == "cpu" else str(tensor.device),
         )
 
 
@@ -182,23 +223,27 @@ class _PutBackUnpickler(pickle.Unpickler):
             return self._by_value[pid[1]]
         if tag == "s":
             return self._objects[pid[1]]
-        _, key, skey, source, dtype, shape, stride, offset, requires_grad = pid
+        _, key, skey, source, dtype, shape, stride, offset, requires_grad, device = pid
         storage = self._storages.get(skey)
         if storage is None:
-            storage = self._storages[skey] = self._storage(source)
-        tensor = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+            storage = self._storages[skey] = self._storage(source, device)
+        tensor = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
         if requires_grad:
             tensor.requires_grad_(True)
         self._objects[key] = tensor
         return tensor
 
-    def _storage(self, source: Any) -> torch.UntypedStorage:
+    def _storage(self, source: Any, device: str | None) -> torch.UntypedStorage:
         if isinstance(source, int):
             part = self._parts[source]
         elif source:  # a bytearray of the storage's bytes: the storage keeps it (no copy)
             part = torch.frombuffer(source, dtype=torch.uint8)
         else:
             part = torch.empty(0, dtype=torch.uint8)
+        if device is not None:  # the host copy of a CUDA storage: copied once onto the same device
+            on_device = torch.empty(part.numel(), dtype=torch.uint8, device=_device_for(device))
+            on_device.copy_(part)
+            part = on_device
         return part.untyped_storage()
 
 
@@ -216,11 +261,12 @@ def encode(obj: Any, what: str) -> Encoded:
         pickler.dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError):
         return Encoded(_WHOLE + _by_value(obj, what))
+    parts, copied = tuple(pickler.parts), frozenset(pickler.copied)
     if not pickler.by_value:
-        return Encoded(buffer.getvalue(), tuple(pickler.parts))
+        return Encoded(buffer.getvalue(), parts, copied)
     blob = _by_value(pickler.by_value, what)
     plain = buffer.getbuffer()[len(_PLAIN) :]
-    return Encoded(b"".join((_BY_VALUE, _LENGTH.pack(len(blob)), blob, plain)), tuple(pickler.parts))
+    return Encoded(b"".join((_BY_VALUE, _LENGTH.pack(len(blob)), blob, plain)), parts, copied)
 
 
 def _by_value(obj: Any, what: str) -> bytes:

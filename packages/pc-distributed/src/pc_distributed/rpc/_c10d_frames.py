@@ -22,7 +22,7 @@ receive posted for it, but the transport does not rely on that: a header is alwa
 
 Only host tensors are ever handed to gloo: its point-to-point ops read and write tensor memory from the host,
 and a CUDA tensor makes its I/O thread fail in a way that aborts the process (:func:`check_host_tensor`).
-CUDA tensors travel inside the head, by value, so they have already moved through host memory.
+The codec has already copied CUDA tensors to the host: their parts are host copies.
 """
 
 from __future__ import annotations
@@ -108,9 +108,12 @@ class Incoming(NamedTuple):
 
     @classmethod
     def copy_of(cls, message: Encoded) -> Incoming:
-        """What the receiver of ``message`` gets, made in this process (copies of the head and the parts)."""
+        """What the receiver of ``message`` gets, made in this process.
+
+        The head and the parts are copies, except the parts that are copies made for the message already.
+        """
         body = torch.frombuffer(bytearray(_body(message)), dtype=torch.uint8)
-        return cls(body, tuple(p.clone() for p in message.parts))
+        return cls(body, tuple(p if i in message.copied else p.clone() for i, p in enumerate(message.parts)))
 
 
 def _body(message: Encoded) -> bytes:
