@@ -174,8 +174,8 @@ def test_a_snapshot_copies_only_the_parts_that_are_not_copies_already() -> None:
     assert snapshot.parts[1] is private  # a host copy of a device storage is not copied again
     assert snapshot.parts[0] is not shared
     assert torch.equal(snapshot.parts[0], shared)
-    assert snapshot.copied == frozenset({0, 1})
-    assert snapshot.snapshot() is snapshot
+    assert snapshot.staged == frozenset({1})
+    assert Encoded(b"R", (private,), frozenset({0})).snapshot().parts[0] is private
 
 
 def test_a_tensor_for_a_cuda_device_the_receiver_lacks_is_a_value_error_naming_it(
@@ -202,7 +202,7 @@ def test_cuda_tensors_cross_as_one_host_copy_each_way_and_keep_their_device_and_
     small = torch.arange(6.0, device="cuda:0").reshape(2, 3)
     message = encode((big, big[10:], small, small.t(), torch.ones(2)), "the call")
     assert len(message.parts) == 1
-    assert message.copied == frozenset({0})
+    assert message.staged == frozenset({0})
     assert message.parts[0].device.type == "cpu"
     assert message.parts[0].is_pinned()
     big.zero_()  # the part is a copy made at encode: later writes on the device do not reach it

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import struct
+from typing import Any
+
 import pytest
 import torch
 
 from pc_distributed import _torch_dist
-from pc_distributed.rpc._c10d_frames import Buffers
+from pc_distributed.rpc._c10d_codec import Encoded
+from pc_distributed.rpc._c10d_frames import Buffers, Incoming, _body, receive_parts
 
 
 def test_buffers_of_different_sizes_are_reused_whatever_their_order() -> None:
@@ -86,3 +90,42 @@ def test_shared_devices_follow_gloo_socket_ifname_as_torchs_own_groups_do(
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
     assert _torch_dist.link_devices() == ["default"]
     assert made == [("interface", "eth1"), ("interface", "eth2"), ("default", "")]
+
+
+class _Delivering:
+    """A link that delivers each posted receive at once from a queue of payloads (no other process)."""
+
+    def __init__(self, payloads: list[torch.Tensor]) -> None:
+        self.payloads = payloads
+        self.received: list[torch.Tensor] = []
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        tensors[0].copy_(self.payloads.pop(0))
+        self.received.append(tensors[0])
+        return self
+
+    def wait(self) -> bool:
+        return True
+
+
+def test_parts_of_device_storages_are_marked_and_received_pinned_where_cuda_is() -> None:
+    plain, staged = torch.arange(16, dtype=torch.uint8), torch.full((8,), 7, dtype=torch.uint8)
+    message = Encoded(b"Rhead", (plain, staged), frozenset({1}))
+    body = torch.frombuffer(bytearray(_body(message)), dtype=torch.uint8)
+    link = _Delivering([plain, staged])
+    incoming = receive_parts(link, 0, body, 2)
+    assert isinstance(incoming, Incoming)
+    assert [p.tolist() for p in incoming.parts] == [
+        plain.tolist(),
+        staged.tolist(),
+    ]  # the sizes without the mark
+    assert bytes(incoming.head()) == b"Rhead"
+    assert [p.is_pinned() for p in incoming.parts] == [False, torch.cuda.is_available()]
+
+
+def test_size_words_that_are_not_sizes_are_described_not_received() -> None:
+    for word in (0, -5, 1 << 62):  # empty, negative, and the device mark on an empty part
+        body = torch.frombuffer(bytearray(struct.pack("<q", word) + b"R"), dtype=torch.uint8)
+        link = _Delivering([])
+        assert receive_parts(link, 0, body, 1) == f"not sizes of message parts: [{word}]"
+        assert link.received == []

@@ -65,20 +65,22 @@ _ALWAYS_PLAIN = frozenset((str, bytes, int, float, bool, type(None), tuple, list
 class Encoded(NamedTuple):
     """A pickled message: the head's bytes and the parts (contiguous uint8 host tensors) that follow it.
 
-    ``copied`` holds the indices of the parts that are already copies made for this message (the host copies
-    of CUDA storages): no later write to the sender's tensors reaches them.
+    ``staged`` holds the indices of the parts that are pinned host copies of CUDA storages: copies made for
+    this message (no later write to the sender's tensors reaches them), which the receiver copies onto a
+    device (so it receives them into pinned memory too).
     """
 
     head: bytes
     parts: tuple[torch.Tensor, ...] = ()
-    copied: frozenset[int] = frozenset()
+    staged: frozenset[int] = frozenset()
 
     def snapshot(self) -> Encoded:
         """The same message with parts of its own: copies, which later writes to the tensors do not reach."""
-        if len(self.copied) == len(self.parts):
+        if len(self.staged) == len(self.parts):
             return self
-        parts = tuple(p if i in self.copied else p.clone() for i, p in enumerate(self.parts))
-        return self._replace(parts=parts, copied=frozenset(range(len(parts))))
+        return self._replace(
+            parts=tuple(p if i in self.staged else p.clone() for i, p in enumerate(self.parts))
+        )
 
 
 def _loads_by_name(obj: Any) -> bool:
@@ -145,7 +147,7 @@ class _SetAsidePickler(pickle.Pickler):
         super().__init__(file, protocol=5)
         self.by_value: list[Any] = []
         self.parts: list[torch.Tensor] = []
-        self.copied: set[int] = set()  # indices of parts that are host copies of device storages
+        self.staged: set[int] = set()  # indices of parts that are host copies of device storages
         self._seen: dict[int, Any] = {}  # id of an object set aside -> its persistent id when seen again
         self._storages: dict[tuple[torch.device, int, int], int] = {}  # (device, address, bytes) -> key
         self._alive: list[Any] = []  # what was set aside stays alive while pickling, so ids stay unique
@@ -191,7 +193,7 @@ class _SetAsidePickler(pickle.Pickler):
                 source = len(self.parts)
                 self.parts.append(data)
                 if on_device:
-                    self.copied.add(source)
+                    self.staged.add(source)
             else:  # pickled straight from the storage's (or its host copy's) memory, loaded as a bytearray
                 source = pickle.PickleBuffer(data.numpy())  # type: ignore[arg-type]
                 self._alive.append(data)
@@ -261,12 +263,12 @@ def encode(obj: Any, what: str) -> Encoded:
         pickler.dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError):
         return Encoded(_WHOLE + _by_value(obj, what))
-    parts, copied = tuple(pickler.parts), frozenset(pickler.copied)
+    parts, staged = tuple(pickler.parts), frozenset(pickler.staged)
     if not pickler.by_value:
-        return Encoded(buffer.getvalue(), parts, copied)
+        return Encoded(buffer.getvalue(), parts, staged)
     blob = _by_value(pickler.by_value, what)
     plain = buffer.getbuffer()[len(_PLAIN) :]
-    return Encoded(b"".join((_BY_VALUE, _LENGTH.pack(len(blob)), blob, plain)), parts, copied)
+    return Encoded(b"".join((_BY_VALUE, _LENGTH.pack(len(blob)), blob, plain)), parts, staged)
 
 
 def _by_value(obj: Any, what: str) -> bytes:

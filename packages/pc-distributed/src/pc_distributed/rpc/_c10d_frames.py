@@ -9,7 +9,10 @@ tag :data:`PAYLOAD_TAG`), then by the message's *parts*, one uint8 tensor each, 
 
 The body is the parts' sizes (one int64 each) followed by the message's head (:class:`~._c10d_codec.Encoded`).
 A part is a large tensor storage, sent from the tensor's own memory and received into fresh memory that the
-receiver's rebuilt tensor then owns: neither side copies it.
+receiver's rebuilt tensor then owns: neither side copies it. A size word with bit :data:`_STAGED` set is a
+part that the receiver copies onto a CUDA device (the pinned host copy of a CUDA storage): it is received
+into pinned memory, which torch's host allocator reuses from call to call, so the receive writes into pages
+already there and the copy to the device runs at the bus's speed.
 
 A small call (a few hundred bytes pickled) is one message each way instead of two: a gloo message costs a
 notification round trip on top of its bytes, and a header of one kilobyte costs no more to move than one of
@@ -69,6 +72,7 @@ HEADER_BYTES = 1024
 _MAGIC = 0x5043_C10D  # the first word: a frame of this transport, in this layout
 _WORDS = struct.Struct("<8q")
 _SIZE = struct.Struct("<q")
+_STAGED = 1 << 62  # in a part's size word: the part goes on to a CUDA device
 INLINE_MAX = HEADER_BYTES - _WORDS.size  # the largest body carried inside the header
 
 # Kinds. Requests carry a pickled (fn, args, kwargs), or nothing; replies carry the call id they answer.
@@ -113,14 +117,15 @@ class Incoming(NamedTuple):
         The head and the parts are copies, except the parts that are copies made for the message already.
         """
         body = torch.frombuffer(bytearray(_body(message)), dtype=torch.uint8)
-        return cls(body, tuple(p if i in message.copied else p.clone() for i, p in enumerate(message.parts)))
+        return cls(body, tuple(p if i in message.staged else p.clone() for i, p in enumerate(message.parts)))
 
 
 def _body(message: Encoded) -> bytes:
     """The body of a frame carrying ``message``: its parts' sizes, then its head."""
     if not message.parts:
         return message.head
-    return b"".join((*(_SIZE.pack(p.numel()) for p in message.parts), message.head))
+    words = (p.numel() | (_STAGED if i in message.staged else 0) for i, p in enumerate(message.parts))
+    return b"".join((*(_SIZE.pack(w) for w in words), message.head))
 
 
 def check_host_tensor(tensor: object, what: str) -> torch.Tensor:
@@ -304,10 +309,13 @@ def receive_parts(group: Any, src: int, body: torch.Tensor, nparts: int) -> Inco
     """
     if not nparts:
         return Incoming(body)
-    sizes = [_SIZE.unpack_from(memoryview(body.numpy()), _SIZE.size * i)[0] for i in range(nparts)]  # type: ignore[arg-type]
-    if min(sizes) <= 0:
-        return f"not sizes of message parts: {sizes}"
-    parts = tuple(torch.empty(n, dtype=torch.uint8) for n in sizes)
+    words = [_SIZE.unpack_from(memoryview(body.numpy()), _SIZE.size * i)[0] for i in range(nparts)]  # type: ignore[arg-type]
+    if min(words) <= 0 or min(w & ~_STAGED for w in words) <= 0:
+        return f"not sizes of message parts: {words}"
+    pinned = torch.cuda.is_available()  # without CUDA the codec refuses a staged part, naming its device
+    parts = tuple(
+        torch.empty(w & ~_STAGED, dtype=torch.uint8, pin_memory=pinned and bool(w & _STAGED)) for w in words
+    )
     works = [_posted(group.recv([part], src, PAYLOAD_TAG)) for part in parts]
     for work in reversed(works):  # the last one is done last: one wake-up for them all
         work.wait()
