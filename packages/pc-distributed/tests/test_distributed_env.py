@@ -159,3 +159,17 @@ def test_transport_errors_are_classified_by_type_first() -> None:
     other = transport_error(RuntimeError("something else"), "p", "rpc")
     assert type(other) is RuntimeError
     assert "rpc to 'p' failed" in str(other)
+
+
+def test_tensorpipes_refusal_of_a_cuda_tensor_is_a_value_error_naming_the_backend_that_carries_one() -> None:
+    # torch's text (it says "Pipe", which the connection fallback would take for a lost peer)
+    refused = RuntimeError(
+        "TensorPipe RPC backend only supports CPU tensors by default, please move your tensors to CPU before "
+        "sending them over RPC, or call `set_device_map` on `TensorPipeRpcBackendOptions` to explicitly "
+        "configure device mapping. Request device mapping is not available for destination worker1"
+    )
+    error = transport_error(refused, "1", "rpc_sync")
+    assert type(error) is ValueError
+    assert "rpc_sync to '1'" in str(error)
+    assert "rpc_backend='c10d'" in str(error)
+    assert "only supports CPU tensors" in str(error)

@@ -157,3 +157,36 @@ def test_c10d_moves_a_cuda_tensor_through_the_host_once_each_way(cuda_devices: i
     # each rank: the probe's copy, plus the one copy out of what it sends and the one copy in of what it gets
     assert results[0]["copies"] == {"Memcpy DtoH": 2, "Memcpy HtoD": 1}
     assert results[1]["copies"] == {"Memcpy DtoH": 2, "Memcpy HtoD": 1}
+
+
+def _tensorpipe_cuda_refusals(rank: int) -> dict[str, Any]:
+    world = pd.get_world()
+    assert world is not None
+    group = world.create_rpc_group("refusals", ["0", "1"])
+    if rank == 1:
+        group.register("double", _doubled_with_device)
+    group.barrier(timeout=60)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        sent = torch.ones(4, device="cuda:0")
+        for how in ("sync", "async"):
+            try:
+                if how == "sync":
+                    group.registered_sync("double", args=(sent,))
+                else:
+                    group.registered_async("double", args=(sent,)).wait()
+            except Exception as exc:
+                out[how] = (type(exc).__name__, str(exc))
+        out["after"] = group.registered_sync("double", args=(sent.cpu(),))[1]  # the group still works
+    group.barrier(timeout=60)
+    return out
+
+
+@pytest.mark.gpu
+def test_tensorpipe_refuses_a_cuda_argument_with_a_value_error_naming_c10d(cuda_devices: int) -> None:
+    results = pd.run_world(_tensorpipe_cuda_refusals, 2, rpc_backend="tensorpipe", timeout=170)
+    for how in ("sync", "async"):
+        kind, text = results[0][how]
+        assert kind == "ValueError", (how, kind, text)
+        assert "rpc_backend='c10d'" in text
+    assert results[0]["after"] == "cpu"

@@ -10,7 +10,10 @@ package is infinite by default. The checks themselves live in :mod:`pc_distribut
 peer, chained to torch's error. They are told apart by type where torch gives one (``TimeoutError``,
 ``ConnectionError``, ``torch.distributed.DistNetworkError``); torch's RPC agent raises a plain
 ``RuntimeError`` for both a timeout and a lost peer, and for it only the message tells them apart, so words of
-the message are matched as the fallback (:data:`TIMEOUT_WORDS`, :data:`CONNECTION_WORDS`).
+the message are matched as the fallback (:data:`TIMEOUT_WORDS`, :data:`CONNECTION_WORDS`). One refusal of
+the agent is bad input, not a lost peer: a CUDA tensor in a call on TensorPipe without device maps (pc sets
+none). Its text (:data:`CPU_ONLY_WORDS`) would match ``"pipe"``; it becomes a ``ValueError`` that says which
+backend carries CUDA tensors.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pc_distributed._checks import optional_timeout
 
 __all__ = [
     "CONNECTION_WORDS",
+    "CPU_ONLY_WORDS",
     "TIMEOUT_WORDS",
     "chain_future",
     "check_call_args",
@@ -48,6 +52,9 @@ CONNECTION_WORDS = (
     "unreachable",
     "broken",
 )
+
+# TensorPipe's refusal of a CUDA tensor without device maps ("... only supports CPU tensors by default ...").
+CPU_ONLY_WORDS = "only supports cpu tensors"
 
 _DistNetworkError: type[BaseException] = getattr(dist, "DistNetworkError", ConnectionError)
 
@@ -81,9 +88,17 @@ def is_connection_loss(exc: BaseException) -> bool:
 def transport_error(exc: BaseException, target: str, what: str) -> BaseException:
     """Map a torch transport failure to ``TimeoutError``/``ConnectionError`` naming the target.
 
-    Anything that is neither becomes a ``RuntimeError`` naming the target. The caller chains ``exc``.
+    TensorPipe's refusal of a CUDA tensor becomes a ``ValueError`` (see the module); anything else that is
+    neither a timeout nor a lost connection becomes a ``RuntimeError`` naming the target. The caller chains
+    ``exc``.
     """
     text = str(exc)
+    if CPU_ONLY_WORDS in text.lower():
+        return ValueError(
+            f"{what} to {target!r}: a CUDA tensor cannot travel on the TensorPipe RPC backend (pc sets no "
+            "device maps); move it to the CPU first, or use World(rpc_backend='c10d') (run_world takes the "
+            f"same keyword), which carries CUDA tensors through host memory. TensorPipe said: {text}"
+        )
     if is_timeout(exc):
         return TimeoutError(f"{what} to {target!r} timed out: {text}")
     if isinstance(exc, (ConnectionError, _DistNetworkError)):

@@ -312,7 +312,8 @@ def receive_parts(group: Any, src: int, body: torch.Tensor, nparts: int) -> Inco
     words = [_SIZE.unpack_from(memoryview(body.numpy()), _SIZE.size * i)[0] for i in range(nparts)]  # type: ignore[arg-type]
     if min(words) <= 0 or min(w & ~_STAGED for w in words) <= 0:
         return f"not sizes of message parts: {words}"
-    pinned = torch.cuda.is_available()  # without CUDA the codec refuses a staged part, naming its device
+    # without CUDA the codec refuses a staged part, naming its device; host-only frames do not ask
+    pinned = any(w & _STAGED for w in words) and torch.cuda.is_available()
     parts = tuple(
         torch.empty(w & ~_STAGED, dtype=torch.uint8, pin_memory=pinned and bool(w & _STAGED)) for w in words
     )
