@@ -73,8 +73,8 @@ def _sizes(quick: bool) -> dict[str, tuple[int, int]]:
     return {"small": (20, 3), "4 MB": (3, 3)} if quick else {"small": (40, 6), "4 MB": (4, 6)}
 
 
-def _raw_link(rank: int) -> Any:
-    """A gloo pair link of the two ranks, on the store ``run_world`` serves (its own keys)."""
+def raw_link(rank: int, prefix: str = "bench/raw") -> Any:
+    """A gloo pair link of the two ranks, on the store ``run_world`` serves (keys under ``prefix``)."""
     client = dist.TCPStore(  # type: ignore[attr-defined]
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -82,7 +82,7 @@ def _raw_link(rank: int) -> Any:
         wait_for_workers=False,
         timeout=timedelta(seconds=WAIT),
     )
-    store = dist.PrefixStore("bench/raw", client)  # type: ignore[attr-defined]
+    store = dist.PrefixStore(prefix, client)  # type: ignore[attr-defined]
     return pair_link(store, rank, 1 - rank, WAIT)
 
 
@@ -103,7 +103,7 @@ def _measure(rank: int, quick: bool) -> dict[str, dict[str, list[float]]]:
     group = world.create_rpc_group("bench", ["0", "1"], timeout=WAIT)
     if rank == 1:
         group.register("echo", echo)
-    link = _raw_link(rank)
+    link = raw_link(rank)
     group.barrier(WAIT)
     out: dict[str, dict[str, list[float]]] = {}
     for case, (number, reps) in _sizes(quick).items():

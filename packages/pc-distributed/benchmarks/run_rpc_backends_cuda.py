@@ -22,23 +22,19 @@ Run from the repository root:
 
 from __future__ import annotations
 
-import os
 import pathlib
 import statistics
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benchmarks"))
 import torch
-import torch.distributed as dist
 from benchlib import Report, bench_args
+from run_rpc_backends import WAIT, raw_link
 
 import pc_distributed as pd
-from pc_distributed._torch_dist import pair_link
 
-WAIT = 120.0
 TARGET = 0.5  # issue 32: 256 MB CUDA through registered_sync / raw send+recv bandwidth
 _DATA_TAG, _ACK_TAG = 11, 12
 SIZES = {"256 MB": 256 << 20, "4 MB": 4 << 20}  # bytes
@@ -50,17 +46,6 @@ def element_count(tensor: torch.Tensor) -> int:
     """The service: touches the tensor where it arrived."""
     assert tensor.is_cuda
     return tensor.numel()
-
-
-def _raw_link(rank: int) -> Any:
-    client = dist.TCPStore(  # type: ignore[attr-defined]
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=WAIT),
-    )
-    return pair_link(dist.PrefixStore("bench/raw-cuda", client), rank, 1 - rank, WAIT)  # type: ignore[attr-defined]
 
 
 def _raw_send(link: Any, tensor: torch.Tensor, host: torch.Tensor, ack: torch.Tensor) -> None:
@@ -84,7 +69,7 @@ def _measure(rank: int, rounds: int) -> dict[str, dict[str, list[float]]]:
     group = world.create_rpc_group("bench", ["0", "1"], timeout=WAIT)
     if rank == 1:
         group.register("count", element_count)
-    link = _raw_link(rank)
+    link = raw_link(rank, "bench/raw-cuda")
     ack = torch.zeros(8, dtype=torch.uint8)
     group.barrier(WAIT)
     out: dict[str, dict[str, list[float]]] = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from server_fakegroup import Hub
 from server_models import PlainSGD, ThreeLayer, backward_once
@@ -9,20 +11,21 @@ from server_models import PlainSGD, ThreeLayer, backward_once
 from pc_server import PushPullGradServerImpl, PushPullModelServerImpl
 
 
+def _cuda_grad_server(group: Any, managed: ThreeLayer) -> PushPullGradServerImpl:
+    """A started gradient server "g" on ``group`` that applies each push to ``managed`` (on CUDA) at once."""
+    impl = PushPullGradServerImpl(
+        "g", group, secondary_reducers=["0"], reduce_batch_size=1, flush_timeout=None, reduce_device="cuda"
+    )
+    impl.manage_model(managed, PlainSGD(managed.parameters()))
+    impl.start()
+    return impl
+
+
 @pytest.mark.gpu
 def test_grad_server_keeps_cuda_model_on_device(hub3: Hub) -> None:
     managed = ThreeLayer().cuda()
     ids = [id(p) for p in managed.parameters()]
-    impl = PushPullGradServerImpl(
-        "g",
-        hub3.group("0"),
-        secondary_reducers=["0"],
-        reduce_batch_size=1,
-        flush_timeout=None,
-        reduce_device="cuda",
-    )
-    impl.manage_model(managed, PlainSGD(managed.parameters()))
-    impl.start()
+    impl = _cuda_grad_server(hub3.group("0"), managed)
     try:
         client = hub3.group("1").get_paired("g").to_here()
         model = ThreeLayer().cuda()
@@ -63,16 +66,7 @@ def _cuda_grad_server_world(rank: int) -> dict[str, object]:
     impl = None
     if rank == 0:
         managed = ThreeLayer().cuda()
-        impl = PushPullGradServerImpl(
-            "g",
-            group,
-            secondary_reducers=["0"],
-            reduce_batch_size=1,
-            flush_timeout=None,
-            reduce_device="cuda",
-        )
-        impl.manage_model(managed, PlainSGD(managed.parameters()))
-        impl.start()
+        impl = _cuda_grad_server(group, managed)
     group.barrier(60)
     out: dict[str, object] = {}
     if rank == 1:
