@@ -21,6 +21,7 @@ STEPS = (
     "wheels",
     "gpu-tests",
     "gpu-tests-c10d",
+    "bench-pc-distributed-rpc_backends",
     "bench-pc-pickle",
     "bench-pc-pool",
     "bench-pc-sync",
@@ -50,6 +51,6 @@ def test_gpu_check_without_cuda_runs_every_step_and_exits_3(tmp_path: Path) -> N
     assert (out / "gpu-tests.xml").read_text().count("<testcase") > 20  # the gpu tests, skipped
     assert (out / "gpu-tests-c10d.xml").read_text().count("<testcase") >= 3  # the RPC layer's, on c10d
     assert "Not yet measured on a GPU" in (out / "gpu.md").read_text()
-    for name in ("pc-pickle", "pc-pool", "pc-sync", "pc-sync-processes"):
+    for name in ("pc-distributed-rpc_backends", "pc-pickle", "pc-pool", "pc-sync", "pc-sync-processes"):
         assert (out / "bench" / f"{name}-cuda.json").exists()
     assert '"cuda": false' in (out / "demo.json").read_text()

@@ -115,10 +115,8 @@ def test_parts_of_device_storages_are_marked_and_received_pinned_where_cuda_is()
     link = _Delivering([plain, staged])
     incoming = receive_parts(link, 0, body, 2)
     assert isinstance(incoming, Incoming)
-    assert [p.tolist() for p in incoming.parts] == [
-        plain.tolist(),
-        staged.tolist(),
-    ]  # the sizes without the mark
+    expected = [plain.tolist(), staged.tolist()]  # received at their sizes, the mark taken off
+    assert [p.tolist() for p in incoming.parts] == expected
     assert bytes(incoming.head()) == b"Rhead"
     assert [p.is_pinned() for p in incoming.parts] == [False, torch.cuda.is_available()]
 
