@@ -121,7 +121,7 @@ step wheels 90 bash -c install_wheels
 
 # pytest.ini asks for pytest-timeout's ini keys under --strict-config: without the plugin, drop the strict
 # config check (the keys only warn then) and rely on this step's own timeout.
-PYTEST_OPTS=(-m gpu --continue-on-collection-errors --junitxml "$OUT_DIR/gpu-tests.xml")
+PYTEST_OPTS=(-m gpu --continue-on-collection-errors)
 if ! "$PY" -c "import pytest_timeout" 2>/dev/null; then
     PYTEST_OPTS+=(-o "addopts=-ra --strict-markers -p no:cacheprovider")
     echo "pytest-timeout missing: per-test timeouts off, the step's timeout bounds the tests" | tee -a "$SUMMARY"
@@ -130,10 +130,9 @@ if [ "$HAS_CUDA" = 1 ]; then export PC_REQUIRE_GPU=1; fi
 
 # -- every gpu test --------------------------------------------------------------------------------------------
 # shellcheck disable=SC2046
-step gpu-tests 200 "$PY" -m pytest "${PYTEST_OPTS[@]}" -q -rs $(ls -d packages/*/tests) tests-integration
+step gpu-tests 200 "$PY" -m pytest "${PYTEST_OPTS[@]}" --junitxml "$OUT_DIR/gpu-tests.xml" -q -rs $(ls -d packages/*/tests) tests-integration
 # the RPC layer's gpu tests again on the c10d backend (the run above takes the default, TensorPipe)
-C10D_OPTS=("${PYTEST_OPTS[@]}" --junitxml "$OUT_DIR/gpu-tests-c10d.xml")
-step gpu-tests-c10d 90 env PC_RPC_BACKEND=c10d "$PY" -m pytest "${C10D_OPTS[@]}" -q -rs \
+step gpu-tests-c10d 90 env PC_RPC_BACKEND=c10d "$PY" -m pytest "${PYTEST_OPTS[@]}" --junitxml "$OUT_DIR/gpu-tests-c10d.xml" -q -rs \
     packages/pc-distributed/tests packages/pc-server/tests
 
 # -- the CUDA benchmarks, then the Benchmarks page's GPU section from their JSON -------------------------------

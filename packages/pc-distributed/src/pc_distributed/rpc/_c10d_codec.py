@@ -195,8 +195,8 @@ class _SetAsidePickler(pickle.Pickler):
                 if on_device:
                     self.staged.add(source)
             else:  # pickled straight from the storage's (or its host copy's) memory, loaded as a bytearray
+                # (the pickler copies a buffer's bytes into the stream as it saves it: nothing to keep alive)
                 source = pickle.PickleBuffer(data.numpy())  # type: ignore[arg-type]
-                self._alive.append(data)
         return (
             "t",
             key,
@@ -243,9 +243,7 @@ class _PutBackUnpickler(pickle.Unpickler):
         else:
             part = torch.empty(0, dtype=torch.uint8)
         if device is not None:  # the host copy of a CUDA storage: copied once onto the same device
-            on_device = torch.empty(part.numel(), dtype=torch.uint8, device=_device_for(device))
-            on_device.copy_(part)
-            part = on_device
+            part = part.to(_device_for(device))
         return part.untyped_storage()
 
 
