@@ -59,6 +59,20 @@ def _release_block() -> None:
     _BLOCK.set()
 
 
+def _thread_name() -> str:
+    return threading.current_thread().name
+
+
+def _name_once_released() -> str:
+    _BLOCK.wait(60)
+    return threading.current_thread().name
+
+
+def _release_and_name() -> str:
+    _BLOCK.set()
+    return threading.current_thread().name
+
+
 def _owned(creator: int, count: int) -> bool:
     return _transport()._wait_owned_count(count, 30, creator)
 
@@ -244,6 +258,37 @@ def test_calls_threads_callbacks_large_payloads_and_remote_refs() -> None:
 def _calls_both_ways(rank: int, t: C10dTransport, store: Any) -> list[Any]:
     big = torch.full((1 << 16,), float(rank))  # a part of its own
     return [t.call_sync(p, lambda x, r=rank: (r, float(x.sum())), (big,)) for p in range(3) if p != rank]
+
+
+def _taking_turns(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if rank == 0:
+        out["one_at_a_time"] = [t.call_sync(1, _thread_name) for _ in range(20)]
+        # two at once: the first holds its thread until the second releases it
+        held = t.call(1, _name_once_released, timeout=60)
+        out["releaser"] = t.call_sync(1, _release_and_name, timeout=60)
+        out["held"] = held.wait()
+        out["after"] = t.call_sync(1, _thread_name)
+        # a request with parts (a 128 kB tensor) goes to a worker, and receiving stays where it is
+        out["with_parts"] = t.call_sync(1, lambda x: _thread_name(), (torch.zeros(1 << 15),))
+    return out
+
+
+def test_a_request_runs_on_the_receiver_that_took_it_or_on_a_worker_while_the_other_is_busy() -> None:
+    # The receiver thread that takes a request without parts runs it, after handing receiving on to the
+    # peer's other receiver thread; a request that comes while that one is busy with a request too, or one
+    # with parts, goes to the worker pool (one worker here). Two requests never run on the two receivers at
+    # once: one of them always receives.
+    out = run_ranks(_taking_turns, 2, workers=1)[0]
+    receivers = {"pc-c10d-recv-1-0-0", "pc-c10d-recv-1-0-1"}
+    worker = "pc-c10d-worker-1-0"
+    names = out["one_at_a_time"]
+    assert set(names) <= receivers | {worker}
+    assert any(name in receivers for name in names)  # (all of them, unless a reply outran a thread's return)
+    assert {out["held"], out["releaser"]} <= receivers | {worker}
+    assert not {out["held"], out["releaser"]} <= receivers
+    assert out["after"] in receivers | {worker}
+    assert out["with_parts"] == worker
 
 
 def test_links_with_a_device_each_carry_the_same_calls() -> None:
@@ -494,6 +539,8 @@ def _dies_mid_frame(rank: int, t: C10dTransport, store: Any, missing: str) -> di
         link.send([tensor], 0, frames.HEADER_TAG).wait()
         _kill_myself()
     if rank == 0:
+        # waited for before calling: a call made first could reach rank 2, and be answered, before it dies
+        out["lost"] = t._wait_lost(2, 60)
         with pytest.raises(ConnectionError, match="'w2'"):
             t.call_sync(2, os.getpid, timeout=20)
         store.set("w2 lost", "1")
@@ -508,6 +555,7 @@ def _dies_mid_frame(rank: int, t: C10dTransport, store: Any, missing: str) -> di
 def test_a_peer_dying_mid_frame_is_lost_and_nothing_else_is_affected(missing: str) -> None:
     results = run_ranks(_dies_mid_frame, 3, args=(missing,), barrier=False, may_die=(2,))
     assert results[2] == DIED
+    assert "receiving a frame's message from it failed" in results[0]["lost"]
     assert [r["after"] for r in results[:2]] == ["still serving", "still serving"]
 
 

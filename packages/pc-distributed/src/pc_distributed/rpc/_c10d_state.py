@@ -23,7 +23,7 @@ __all__ = ["STOP", "Peer", "PendingCall", "Workers"]
 logger = logging.getLogger(__name__)
 
 STOP = object()
-"""The sentinel that ends a queue-fed thread (a worker, a lane, the housekeeper)."""
+"""The sentinel that ends a queue-fed thread (a worker, a lane, an idle receiver, the housekeeper)."""
 
 
 class Workers:
@@ -124,8 +124,10 @@ class Peer:
     post_lock: threading.Lock = field(default_factory=threading.Lock)  # frames are posted one at a time
     lane: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)  # sends the lane waits for
     lane_thread: threading.Thread | None = None
-    receiver: threading.Thread | None = None
-    receiver_done: threading.Event = field(default_factory=threading.Event)
+    receivers: list[threading.Thread] = field(default_factory=list)  # the two that take turns receiving
+    turn: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)  # receiving handed on, or STOP
+    waiting_turns: int = 0  # receiver threads waiting for the turn (under the transport's lock)
+    receiver_done: threading.Event = field(default_factory=threading.Event)  # receiving from it has ended
     said_bye: bool = False  # our goodbye is posted: nothing more goes to it (set under post_lock)
     heard_bye: bool = False  # its goodbye arrived: nothing more comes from it
     lost: str | None = None  # why it is unreachable, once it is
