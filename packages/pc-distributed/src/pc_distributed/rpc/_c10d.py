@@ -2,7 +2,7 @@
 
 It addresses members by name (the transport by rank) and is started by the World on links it makes through
 the World's store: a gloo process group per pair of members (:func:`pc_distributed._torch_dist.pair_link`),
-never ``torch.distributed.rpc``. Its remote values are :class:`~._c10d_transport.C10dRemoteRef`. Errors are
+never ``torch.distributed.rpc``. Its remote values are :class:`~._c10d_ref.C10dRemoteRef`. Errors are
 already the RPC layer's (``TimeoutError``/``ConnectionError`` naming the member, ``TypeError`` for a payload
 that cannot be pickled), since the transport pickles with pc-pickle.
 """
@@ -16,7 +16,8 @@ import torch
 
 from pc_distributed import _torch_dist
 from pc_distributed._bounded import call_bounded
-from pc_distributed.rpc._c10d_transport import C10dRemoteRef, C10dTransport
+from pc_distributed.rpc._c10d_ref import C10dRemoteRef
+from pc_distributed.rpc._c10d_transport import C10dTransport
 
 __all__ = ["C10dBackend"]
 
