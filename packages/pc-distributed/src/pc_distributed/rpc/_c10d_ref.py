@@ -11,19 +11,38 @@ from __future__ import annotations
 
 import weakref
 from concurrent.futures import TimeoutError as _FutureTimeout
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pc_distributed._checks import optional_timeout
 from pc_distributed.rpc._c10d_frames import VALUE
 from pc_distributed.rpc._c10d_state import PendingCall
 
-if TYPE_CHECKING:
-    from pc_distributed.rpc._c10d_transport import C10dTransport
-
 __all__ = ["C10dRemoteRef"]
 
 
-def _release_ref(transport_ref: weakref.ReferenceType[C10dTransport], owner: int, ref_id: int) -> None:
+class _Transport(Protocol):
+    """What a reference needs of the :class:`~._c10d_transport.C10dTransport` that made it."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def names(self) -> tuple[str, ...]: ...
+
+    def _who(self, rank: int) -> str: ...
+
+    def _wait(self, pending: PendingCall) -> Any: ...
+
+    def _outcome(self, pending: PendingCall) -> Any: ...
+
+    def _fetch(self, owner: int, ref_id: int, timeout: float | None) -> Any: ...
+
+    def _release(self, owner: int, ref_id: int) -> None: ...
+
+    def _queue_release(self, owner: int, ref_id: int) -> None: ...
+
+
+def _release_ref(transport_ref: weakref.ReferenceType[_Transport], owner: int, ref_id: int) -> None:
     """The finalizer of a garbage-collected :class:`C10dRemoteRef` (it may run on any thread, any time)."""
     transport = transport_ref()
     if transport is not None:
@@ -31,14 +50,14 @@ def _release_ref(transport_ref: weakref.ReferenceType[C10dTransport], owner: int
 
 
 class C10dRemoteRef:
-    """A reference to a value kept by its owner (from :meth:`C10dTransport.remote`).
+    """A reference to a value kept by its owner (from :meth:`~._c10d_transport.C10dTransport.remote`).
 
     The owner keeps the value until :meth:`release` or until this object is garbage-collected, whichever
     comes first; both send one release frame to the owner. Belongs to the process that created it (it cannot
     be pickled).
     """
 
-    def __init__(self, transport: C10dTransport, owner: int, ref_id: int, created: PendingCall) -> None:
+    def __init__(self, transport: _Transport, owner: int, ref_id: int, created: PendingCall) -> None:
         self._transport = transport
         self._owner = owner
         self._ref_id = ref_id
