@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import random
 import struct
+import threading
 from typing import Any
 
 import pytest
@@ -39,6 +42,99 @@ def test_buffers_keep_at_most_their_budget_and_ignore_what_they_did_not_lend() -
     small = buffers.take(100)  # under min_bytes: never kept
     buffers.give(small)
     assert buffers.take(100).numel() == 100
+
+
+def test_lent_memory_comes_back_once_the_last_tensor_on_it_is_freed_not_before() -> None:
+    buffers = Buffers(keep_bytes=8 << 20, min_bytes=1 << 10)
+    part = buffers.lend(1 << 20)
+    address = part.data_ptr()
+    # what the codec does with a part: tensors of other types over its storage, at offsets
+    floats = torch.empty(0).set_(part.untyped_storage(), 1024, (1000,))
+    view = floats[10:20]
+    del part, floats
+    gc.collect()
+    assert buffers.idle_bytes() == 0  # a view still uses it
+    other = buffers.lend(1 << 20)
+    assert other.data_ptr() != address
+    view.fill_(3.0)
+    del view
+    assert buffers.idle_bytes() == 1 << 20  # back without a garbage collection: reference counting
+    again = buffers.lend((1 << 20) - 100)  # fits: at most twice its size
+    assert again.data_ptr() == address
+    assert float(again.view(torch.float32)[1034]) == 3.0  # the same memory, as it was left
+    third = buffers.lend(1 << 20)
+    assert third.data_ptr() not in (address, other.data_ptr())
+    small = buffers.lend(100)  # under min_bytes: torch's own memory, never kept
+    del small
+    assert buffers.idle_bytes() == 0
+
+
+def test_lent_and_taken_memory_share_one_budget() -> None:
+    buffers = Buffers(keep_bytes=3 << 20, min_bytes=1 << 10)
+    lent = [buffers.lend(1 << 20) for _ in range(2)]
+    taken = [buffers.take(1 << 20) for _ in range(2)]
+    for tensor in lent + taken:
+        tensor.fill_(7)  # fresh memory reads zero: what reads 7 later was reused
+    del lent, tensor
+    for body in taken:
+        buffers.give(body)
+    assert buffers.idle_bytes() == 3 << 20  # four came back, three kept
+    reused = [buffers.take(1 << 20), *(buffers.lend(1 << 20) for _ in range(3))]
+    assert sorted(int(t[0]) for t in reused) == [0, 7, 7, 7]
+
+
+def test_memory_freed_inside_the_buffers_is_sorted_in_later_and_closed_buffers_keep_nothing() -> None:
+    buffers = Buffers(keep_bytes=8 << 20, min_bytes=1 << 10)
+    part = buffers.lend(1 << 20)
+    with buffers._lock:  # as when the garbage collector frees a tensor while this thread is inside them
+        del part  # must neither deadlock nor change the idle list under the lock's holder
+        assert buffers._free == []
+    assert buffers.idle_bytes() == 1 << 20
+    held = buffers.lend(2 << 20)
+    buffers.close()
+    assert buffers.idle_bytes() == 0
+    del held
+    assert buffers.idle_bytes() == 0  # unmapped as it came back
+    assert buffers.lend(1 << 20).numel() == 1 << 20  # still lends
+
+
+def test_memory_lent_and_freed_by_many_threads_is_never_lent_twice() -> None:
+    buffers = Buffers(keep_bytes=4 << 20, min_bytes=1 << 10)
+    failures: list[str] = []
+    live: dict[int, int] = {}  # address -> owning thread, of every lent tensor still alive
+    lock = threading.Lock()
+
+    def churn(seed: int) -> None:
+        rng = random.Random(seed)
+        mine: list[torch.Tensor] = []
+        for _ in range(300):
+            if mine and (len(mine) > 4 or rng.random() < 0.5):
+                tensor = mine.pop(rng.randrange(len(mine)))
+                if not bool((tensor == (seed * 7 + tensor.numel()) % 251).all()):
+                    failures.append(f"thread {seed}: a lent tensor was written by someone else")
+                with lock:
+                    del live[tensor.data_ptr()]
+                del tensor  # its memory goes back here, on this thread, while others lend
+            else:
+                tensor = buffers.lend(rng.choice((4 << 10, 64 << 10, 300 << 10)))
+                with lock:
+                    if tensor.data_ptr() in live:
+                        failures.append(f"thread {seed}: memory lent while still in use")
+                    live[tensor.data_ptr()] = seed
+                tensor.fill_((seed * 7 + tensor.numel()) % 251)
+                mine.append(tensor)
+        with lock:  # what this thread still holds is freed as it ends
+            for tensor in mine:
+                del live[tensor.data_ptr()]
+
+    threads = [threading.Thread(target=churn, args=(s,)) for s in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert failures == []
+    assert 0 < buffers.idle_bytes() <= 4 << 20
 
 
 def test_a_link_is_a_two_member_gloo_group_and_needs_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,7 +209,7 @@ def test_parts_of_device_storages_are_marked_and_received_pinned_where_cuda_is()
     message = Encoded(b"Rhead", (plain, staged), frozenset({1}))
     body = torch.frombuffer(bytearray(_body(message)), dtype=torch.uint8)
     link = _Delivering([plain, staged])
-    incoming = receive_parts(link, 0, body, 2)
+    incoming = receive_parts(link, 0, body, 2, Buffers(min_bytes=8))
     assert isinstance(incoming, Incoming)
     expected = [plain.tolist(), staged.tolist()]  # received at their sizes, the mark taken off
     assert [p.tolist() for p in incoming.parts] == expected
@@ -125,5 +221,5 @@ def test_size_words_that_are_not_sizes_are_described_not_received() -> None:
     for word in (0, -5, 1 << 62):  # empty, negative, and the device mark on an empty part
         body = torch.frombuffer(bytearray(struct.pack("<q", word) + b"R"), dtype=torch.uint8)
         link = _Delivering([])
-        assert receive_parts(link, 0, body, 1) == f"not sizes of message parts: [{word}]"
+        assert receive_parts(link, 0, body, 1, Buffers()) == f"not sizes of message parts: [{word}]"
         assert link.received == []

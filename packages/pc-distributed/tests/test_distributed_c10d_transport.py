@@ -291,6 +291,54 @@ def test_a_request_runs_on_the_receiver_that_took_it_or_on_a_worker_while_the_ot
     assert out["with_parts"] == worker
 
 
+_KEPT: list[torch.Tensor] = []  # arguments a handler keeps (the received parts' memory stays theirs)
+
+
+def _keep_and_add_half(x: torch.Tensor) -> torch.Tensor:
+    _KEPT.append(x)
+    return x + 0.5
+
+
+def _kept_then_dropped() -> tuple[list[tuple[float, float]], int]:
+    """The kept arguments' smallest and largest values, then the received memory idle once they are freed."""
+    seen = [(float(x.min()), float(x.max())) for x in _KEPT]
+    _KEPT.clear()
+    return seen, _transport()._buffers.idle_bytes()
+
+
+def _received_memory(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    global _T
+    _T = t
+    out: dict[str, Any] = {}
+    if rank == 0:
+        n = 12  # 256 kB each way: parts, whose memory the receiver lends to the tensors it rebuilds
+        results = [t.call_sync(1, _keep_and_add_half, (torch.full((1 << 16,), float(i)),)) for i in range(n)]
+        out["results"] = [(float(r.min()), float(r.max())) for r in results]
+        out["kept"], out["server_idle"] = t.call_sync(1, _kept_then_dropped)
+        addresses = {r.data_ptr() for r in results}
+        out["idle_while_held"] = t._buffers.idle_bytes()
+        del results
+        out["idle_once_freed"] = t._buffers.idle_bytes()
+        again = [t.call_sync(1, _keep_and_add_half, (torch.full((1 << 16,), -1.0),)) for _ in range(n)]
+        out["reused"] = len({r.data_ptr() for r in again} & addresses)
+        out["again"] = {(float(r.min()), float(r.max())) for r in again}
+        t.call_sync(1, _kept_then_dropped)
+    return out
+
+
+def test_received_tensors_own_their_memory_until_freed_then_it_is_received_into_again() -> None:
+    out = run_ranks(_received_memory, 2)[0]
+    n, part = 12, 4 << 16
+    # neither side lent memory again while a tensor on it lived: every value is the one sent
+    assert out["results"] == [(i + 0.5, i + 0.5) for i in range(n)]
+    assert out["kept"] == [(float(i), float(i)) for i in range(n)]
+    assert out["server_idle"] >= n * part  # what the handler kept came back once it let go of it
+    assert out["idle_while_held"] < part
+    assert out["idle_once_freed"] >= n * part
+    assert out["reused"] == n
+    assert out["again"] == {(-0.5, -0.5)}
+
+
 def test_links_with_a_device_each_carry_the_same_calls() -> None:
     # a torch without gloo's group options: every link makes its own device (link_devices() is None)
     results = run_ranks(_calls_both_ways, 3, shared_device=False)

@@ -8,8 +8,9 @@ tag :data:`PAYLOAD_TAG`), then by the message's *parts*, one uint8 tensor each, 
     magic | kind | sender rank | call id | aux | body bytes | body inline (0 or 1) | parts | inline body ...
 
 The body is the parts' sizes (one int64 each) followed by the message's head (:class:`~._c10d_codec.Encoded`).
-A part is a large tensor storage, sent from the tensor's own memory and received into fresh memory that the
-receiver's rebuilt tensor then owns: neither side copies it. A size word with bit :data:`_STAGED` set is a
+A part is a large tensor storage, sent from the tensor's own memory and received into memory that the
+receiver's rebuilt tensor then owns (lent by :class:`Buffers`, which gets it back once that tensor is freed):
+neither side copies it. A size word with bit :data:`_STAGED` set is a
 part that the receiver copies onto a CUDA device (the pinned host copy of a CUDA storage): it is received
 into pinned memory, which torch's host allocator reuses from call to call, so the receive writes into pages
 already there and the copy to the device runs at the bus's speed.
@@ -31,8 +32,11 @@ The codec has already copied CUDA tensors to the host: their parts are host copi
 from __future__ import annotations
 
 import ctypes
+import mmap
+import queue
 import struct
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -296,8 +300,11 @@ def receive_body(group: Any, src: int, nbytes: int, buffers: Buffers) -> torch.T
     return body
 
 
-def receive_parts(group: Any, src: int, body: torch.Tensor, nparts: int) -> Incoming | str:
-    """Receive the ``nparts`` parts that follow ``body`` from rank ``src`` of the link, into fresh memory.
+def receive_parts(group: Any, src: int, body: torch.Tensor, nparts: int, memory: Buffers) -> Incoming | str:
+    """Receive the ``nparts`` parts that follow ``body`` from rank ``src`` of the link.
+
+    A part lands in memory lent by ``memory`` (:meth:`Buffers.lend`), which becomes the storage of the tensors
+    it carries; a staged part lands in pinned memory (torch's host allocator keeps and reuses it).
 
     Every receive is posted before the first is waited for, so the parts stream one after the other.
 
@@ -315,7 +322,8 @@ def receive_parts(group: Any, src: int, body: torch.Tensor, nparts: int) -> Inco
     # without CUDA the codec refuses a staged part, naming its device; host-only frames do not ask
     pinned = any(w & _STAGED for w in words) and torch.cuda.is_available()
     parts = tuple(
-        torch.empty(w & ~_STAGED, dtype=torch.uint8, pin_memory=pinned and bool(w & _STAGED)) for w in words
+        torch.empty(w & ~_STAGED, dtype=torch.uint8, pin_memory=pinned) if w & _STAGED else memory.lend(w)
+        for w in words
     )
     works = [_posted(group.recv([part], src, PAYLOAD_TAG)) for part in parts]
     for work in reversed(works):  # the last one is done last: one wake-up for them all
@@ -324,43 +332,98 @@ def receive_parts(group: Any, src: int, body: torch.Tensor, nparts: int) -> Inco
 
 
 class Buffers:
-    """Receive buffers for large bodies, kept for reuse up to ``keep_bytes`` in all.
+    """Receive memory kept for reuse: blocks of at least ``min_bytes``, up to ``keep_bytes`` idle in all.
 
-    A fresh buffer of megabytes costs a page fault per page on its first write, which costs more than
-    receiving into it; a body's buffer is free again once its bytes are unpickled (unpickling copies them),
-    so the next large body reuses it. (Parts are not received into these: their memory becomes the
-    storage of the tensors they carry.)
+    A fresh buffer of megabytes costs a page fault per page on its first write, in the thread of gloo that
+    receives into it, and receiving into fresh memory ran at half the speed of receiving into pages already
+    there (docs/distributed.md, "RPC backends"). So received bytes land in kept blocks:
+
+    - a body is unpickled (which copies it) and then given back: :meth:`take`, then :meth:`give`;
+    - a part becomes the storage of the tensors it carries, which the receiving code keeps as long as it
+      likes: :meth:`lend` hands out a tensor whose block comes back by itself once the last tensor on its
+      memory is freed (a finalizer on the buffer object that the tensor's storage holds).
+
+    A request is served by the smallest idle block that fits and is at most twice its size, else a new one (an
+    anonymous memory map: page-aligned, and its pages are only touched by the first receive into it). Blocks
+    beyond the idle budget are unmapped, the largest first. A block coming back goes on a queue (safe wherever
+    the garbage collector runs a finalizer, even in a thread inside this object) and is sorted in at once
+    unless another call holds the lock, which sorts it in then or at the next call. :meth:`close` drops the
+    idle blocks and every block that comes back later. Safe to share between threads.
     """
 
     def __init__(self, keep_bytes: int = 64 << 20, min_bytes: int = 64 << 10) -> None:
         self._keep_bytes = keep_bytes
         self._min_bytes = min_bytes
         self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []
-        self._lent: dict[int, torch.Tensor] = {}  # data pointer of a lent view -> its buffer
+        self._free: list[mmap.mmap] = []  # idle blocks, the largest first
+        self._lent: dict[int, mmap.mmap] = {}  # data pointer of a body from take -> its block
+        self._returned: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()  # blocks of lent parts, freed
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor of ``nbytes`` (a view of a kept buffer when one fits, else a new one)."""
+        """A uint8 tensor of ``nbytes`` to receive into, to be given back with :meth:`give` once read."""
         if nbytes < self._min_bytes:
             return torch.empty(nbytes, dtype=torch.uint8)
+        block = self._block(nbytes)
+        body = torch.frombuffer(memoryview(block)[:nbytes], dtype=torch.uint8)
         with self._lock:
-            # by position: list.remove would compare tensors with ==, element by element
-            fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
-            if fits:
-                buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-            else:
-                buffer = torch.empty(nbytes, dtype=torch.uint8)
-            view = buffer[:nbytes]
-            self._lent[view.data_ptr()] = buffer
-            return view
+            self._lent[body.data_ptr()] = block
+        return body
 
     def give(self, body: torch.Tensor) -> None:
         """Take back a body from :meth:`take` once nothing reads it any more (others are ignored)."""
         with self._lock:
-            buffer = self._lent.pop(body.data_ptr(), None)
-            if buffer is None:
-                return
-            self._free.append(buffer)
-            self._free.sort(key=lambda b: -b.numel())
-            while sum(b.numel() for b in self._free) > self._keep_bytes:
-                self._free.pop(0)  # the largest goes first
+            block = self._lent.pop(body.data_ptr(), None)
+        if block is not None:
+            self._give_back(block)
+
+    def lend(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` whose memory comes back here once no tensor uses it any more."""
+        if nbytes < self._min_bytes:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        block = self._block(nbytes)
+        view = memoryview(block)[:nbytes]  # the tensor's storage holds this view, and it holds the block
+        weakref.finalize(view, self._give_back, block).atexit = False
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+    def idle_bytes(self) -> int:
+        """How many bytes the idle blocks hold."""
+        with self._lock:
+            self._settle_locked()
+            return sum(len(b) for b in self._free)
+
+    def close(self) -> None:
+        """Unmap the idle blocks, and from now on every block that comes back (take and lend still work)."""
+        with self._lock:
+            self._keep_bytes = 0
+            self._settle_locked()
+
+    def _give_back(self, block: mmap.mmap) -> None:
+        self._returned.put(block)
+        if self._lock.acquire(blocking=False):  # else its holder sorts it in, or the next call does
+            try:
+                self._settle_locked()
+            finally:
+                self._lock.release()
+
+    def _block(self, nbytes: int) -> mmap.mmap:
+        with self._lock:
+            self._settle_locked()
+            # by position, the smallest that fits
+            fits = [i for i, b in enumerate(self._free) if nbytes <= len(b) <= 2 * nbytes]
+            if fits:
+                return self._free.pop(fits[-1])
+        return mmap.mmap(-1, nbytes)
+
+    def _settle_locked(self) -> None:
+        """Sort the blocks that came back into the idle list, and keep it within the budget."""
+        came = []
+        while True:
+            try:
+                came.append(self._returned.get_nowait())
+            except queue.Empty:
+                break
+        if came:
+            self._free = sorted(self._free + came, key=len, reverse=True)
+        idle = sum(len(b) for b in self._free)
+        while idle > self._keep_bytes:
+            idle -= len(self._free.pop(0))  # the largest goes first; unmapped once unreferenced

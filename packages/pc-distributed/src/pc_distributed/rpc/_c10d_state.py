@@ -71,6 +71,7 @@ class Workers:
                 fn()
             except Exception:  # pragma: no cover - the submitted callables catch their own errors
                 logger.exception("%s: an internal task failed", self._name)
+            del fn  # what it holds (a request's arguments) is not kept alive while this thread is idle
             with self._lock:
                 self._idle += 1
 

@@ -414,6 +414,7 @@ class C10dTransport:
                     if thread.is_alive():
                         stuck.append(thread.name)
         self._housekeeper.join(max(0.0, deadline - time.monotonic()))
+        self._buffers.close()  # what received tensors still use is unmapped once they are freed
         if stuck:
             logger.warning(
                 "c10d transport of %s shut down with threads still running (a receiver waits in gloo until "
@@ -659,6 +660,7 @@ class C10dTransport:
                 return
             posted = None
             self._serve(*request)
+            del request  # not kept alive while this thread waits for the turn
 
     def _end_receiving(self, peer: Peer) -> None:
         """Receiving from ``peer`` has ended: say so, and end its other receiver thread (now or once idle)."""
@@ -692,7 +694,7 @@ class C10dTransport:
                 if body is None and header.nbytes:
                     body = receive_body(peer.link, peer.link_rank, header.nbytes, self._buffers)
                 if body is not None:
-                    message = receive_parts(peer.link, peer.link_rank, body, header.nparts)
+                    message = receive_parts(peer.link, peer.link_rank, body, header.nparts, self._buffers)
                 if header.kind != BYE:
                     posted = post_header(peer.link, peer.link_rank)
             except Exception as exc:  # its connection closed mid-frame, or no memory for the message
