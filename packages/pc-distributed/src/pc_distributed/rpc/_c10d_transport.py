@@ -33,17 +33,17 @@ thread that waits for them in order. No caller is blocked by a slow or stalled p
 
 **The receivers.** Two threads per peer take turns receiving that peer's frames on their link: the thread with
 the turn receives the next header, then the body if it did not ride inside the header, then the parts (each
-into fresh memory, which becomes the storage of the tensors it carries). A reply goes to the waiting call. A
-request without parts is run by the receiving thread itself when the other thread is waiting for the turn: it
-hands the turn on first (the next header's receive, already posted), so the request starts at once on a thread
-that is running anyway, instead of waking a worker and waiting for it, and the other thread, woken meanwhile,
-receives what comes next (a handler may therefore call back into its caller: the reply comes through the other
-thread). A request with parts, or one that comes while the other thread is busy with a request of its own,
-goes to a small pool of worker threads (the thread that receives parts keeps receiving). Nothing polls: every
-thread sleeps in a blocking wait that a frame, a queued item or a deadline ends. A receive posted for one
-given peer is announced to it at once, so a frame costs one message, not a notification round trip more. A
-receiver posts the next header's receive before it hands a frame on: posting releases the GIL, and done after
-the hand-off it would contend for it with the thread just woken, a context switch each way.
+into memory lent by :class:`~._c10d_frames.Buffers`, which becomes the storage of the tensors it carries and
+is received into again once they are freed). A reply goes to the waiting call. A request is run by the
+receiving thread itself when the other thread is waiting for the turn: it hands the turn on first (the next
+header's receive, already posted), so the request starts at once on a thread that is running anyway, instead
+of waking a worker and waiting for it, and the other thread, woken meanwhile, receives what comes next (a
+handler may therefore call back into its caller: the reply comes through the other thread). A request that
+comes while the other thread is busy with a request of its own goes to a small pool of worker threads. Nothing
+polls: every thread sleeps in a blocking wait that a frame, a queued item or a deadline ends. A receive posted
+for one given peer is announced to it at once, so a frame costs one message, not a notification round trip
+more. A receiver posts the next header's receive before it hands a frame on: posting releases the GIL, and
+done after the hand-off it would contend for it with the thread just woken, a context switch each way.
 
 **Why a link per pair** (gloo's ``transport/tcp/unbound_buffer.cc``, ``context.cc``, ``pair.cc``; torch's
 ``ProcessGroupGloo.cpp``): a failure in gloo is a failure of a whole group.
@@ -624,14 +624,11 @@ class C10dTransport:
     def _take_turns(self, peer: Peer, first: bool) -> None:
         """One of ``peer``'s two receiver threads: receive its frames while this thread has the turn.
 
-        The thread with the turn receives; when a request without parts arrives and the other thread waits
-        for the turn, it hands the turn on (the next header's receive, already posted) and runs the request
-        itself, so the request starts without waking another thread first; then it waits for the turn in its
-        place. A request with parts, or one that comes while the other thread is busy with a request of its
-        own, goes to the worker pool instead, and receiving stays where it is: the memory of arriving parts is
-        allocated by the receiving thread, and when that thread changed from call to call, 4 MB echoes ran
-        about 6 % slower and the server faulted in up to ten times the pages (likely as each thread allocates
-        from a malloc arena of its own). Receiving stays with one thread at a time, so frames are taken in the
+        The thread with the turn receives; when a request arrives and the other thread waits for the turn, it
+        hands the turn on (the next header's receive, already posted) and runs the request itself, so the
+        request starts without waking another thread first; then it waits for the turn in its place. A request
+        that comes while the other thread is busy with a request of its own goes to the worker pool, and
+        receiving stays where it is. Receiving stays with one thread at a time, so frames are taken in the
         order they came.
         """
         posted: HeaderReceive | None = None
@@ -705,17 +702,16 @@ class C10dTransport:
                 return None
             if header.kind in REQUESTS:
                 peer.last_heard = time.monotonic()
-                if self._accept(peer.rank, header.kind, header.call_id):
-                    request = (peer.rank, header.kind, header.call_id, header.aux, message)
-                    # a request with parts goes to a worker: its transfer outweighs a thread's wake-up, and
-                    # receiving stays on this thread, which allocates the parts' memory (see _take_turns)
-                    with self._lock:
-                        hand_on = peer.waiting_turns > 0 and (message is None or not message.parts)
-                        if hand_on:
-                            peer.waiting_turns -= 1
+                request = (peer.rank, header.kind, header.call_id, header.aux, message)
+                with self._lock:
+                    accepted = self._accept_locked(peer.rank, header.kind, header.call_id)
+                    hand_on = accepted and peer.waiting_turns > 0
                     if hand_on:
-                        peer.turn.put(posted)
-                        return request
+                        peer.waiting_turns -= 1
+                if hand_on:
+                    peer.turn.put(posted)
+                    return request
+                if accepted:
                     self._submit(*request)
             else:
                 self._on_frame(peer.rank, header.kind, header.call_id, header.aux, message)
@@ -728,7 +724,9 @@ class C10dTransport:
         if peer is not None:
             peer.last_heard = time.monotonic()
         if kind in REQUESTS:
-            if self._accept(src, kind, call_id):
+            with self._lock:
+                accepted = self._accept_locked(src, kind, call_id)
+            if accepted:
                 self._submit(src, kind, call_id, aux, message)
         elif kind in (VALUE, ERROR):
             with self._lock:
@@ -750,19 +748,19 @@ class C10dTransport:
                 self._send(src, BYE, 0)
         # PING: nothing to do beyond last_heard
 
-    def _accept(self, src: int, kind: int, call_id: int) -> bool:
+    def _accept_locked(self, src: int, kind: int, call_id: int) -> bool:
         """Count a request from ``src`` as running, unless our goodbye has gone to it; whether it runs.
 
-        A request counted here must then be run (:meth:`_serve`) or given up (:meth:`_submit`).
+        Call under ``self._lock``. A request counted here must then be run (:meth:`_serve`) or given up
+        (:meth:`_submit`).
         """
         peer = self._peers.get(src)
-        with self._lock:
-            if peer is not None and peer.said_bye:
-                return False  # the caller has our goodbye, and with it a ConnectionError for this call
-            self._handlers_running += 1
-            if kind == REMOTE:
-                self._creating.add((src, call_id))
-            return True
+        if peer is not None and peer.said_bye:
+            return False  # the caller has our goodbye, and with it a ConnectionError for this call
+        self._handlers_running += 1
+        if kind == REMOTE:
+            self._creating.add((src, call_id))
+        return True
 
     def _submit(self, src: int, kind: int, call_id: int, aux: int, message: Incoming | None) -> None:
         """Run an accepted request on a worker of the pool (queued while all of them are busy)."""
