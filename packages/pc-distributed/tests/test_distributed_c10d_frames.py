@@ -22,7 +22,7 @@ def test_buffers_of_different_sizes_are_reused_whatever_their_order() -> None:
     addresses = {first.data_ptr(), second.data_ptr()}
     buffers.give(first)
     buffers.give(second)
-    # the best fit is not the first free buffer: picking it must not compare tensors element by element
+    # the best fit is not the first free block
     again = buffers.take(400_770)
     assert again.numel() == 400_770
     assert again.data_ptr() in addresses
@@ -34,11 +34,13 @@ def test_buffers_of_different_sizes_are_reused_whatever_their_order() -> None:
 def test_buffers_keep_at_most_their_budget_and_ignore_what_they_did_not_lend() -> None:
     buffers = Buffers(keep_bytes=3 << 20, min_bytes=1 << 10)
     lent = [buffers.take(1 << 20) for _ in range(4)]
+    for payload in lent:
+        payload.fill_(7)  # fresh memory reads zero: what reads 7 later was kept
     buffers.give(torch.empty(1 << 20, dtype=torch.uint8))  # not theirs: ignored
     for payload in lent:
         buffers.give(payload)
-    reused = {buffers.take(1 << 20).data_ptr() for _ in range(4)}
-    assert len(reused & {p.data_ptr() for p in lent}) == 3  # three kept, the fourth dropped
+    again = [buffers.take(1 << 20) for _ in range(4)]
+    assert sorted(int(t[0]) for t in again) == [0, 7, 7, 7]  # three kept, the fourth dropped
     small = buffers.take(100)  # under min_bytes: never kept
     buffers.give(small)
     assert buffers.take(100).numel() == 100
@@ -96,6 +98,26 @@ def test_memory_freed_inside_the_buffers_is_sorted_in_later_and_closed_buffers_k
     del held
     assert buffers.idle_bytes() == 0  # unmapped as it came back
     assert buffers.lend(1 << 20).numel() == 1 << 20  # still lends
+
+
+def test_a_body_comes_back_once_whether_given_back_or_only_freed() -> None:
+    buffers = Buffers(keep_bytes=8 << 20, min_bytes=1 << 10)
+    given = buffers.take(1 << 20)
+    buffers.give(given)
+    buffers.give(given)  # twice: ignored
+    assert buffers.idle_bytes() == 1 << 20
+    del given  # its block came back already: not a second time
+    assert buffers.idle_bytes() == 1 << 20
+    first, second = buffers.take(1 << 20), buffers.take(1 << 20)
+    assert first.data_ptr() != second.data_ptr()
+    assert buffers.idle_bytes() == 0
+    del first  # never given back (a reply to a call that timed out): it comes back once freed
+    assert buffers.idle_bytes() == 1 << 20
+    assert len(buffers._taken) == 1  # and is forgotten; the other is still out
+    buffers.give(second)
+    del second
+    assert buffers.idle_bytes() == 2 << 20
+    assert buffers._taken == {}
 
 
 def test_memory_lent_and_freed_by_many_threads_is_never_lent_twice() -> None:

@@ -37,7 +37,7 @@ import queue
 import struct
 import threading
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
@@ -331,6 +331,9 @@ def receive_parts(group: Any, src: int, body: torch.Tensor, nparts: int, memory:
     return Incoming(body, parts)
 
 
+_Back: TypeAlias = "weakref.finalize[[mmap.mmap], memoryview]"  # brings a lent block back once its view dies
+
+
 class Buffers:
     """Receive memory kept for reuse: blocks of at least ``min_bytes``, up to ``keep_bytes`` idle in all.
 
@@ -338,10 +341,12 @@ class Buffers:
     receives into it, and receiving into fresh memory ran at half the speed of receiving into pages already
     there (docs/distributed.md, "RPC backends"). So received bytes land in kept blocks:
 
-    - a body is unpickled (which copies it) and then given back: :meth:`take`, then :meth:`give`;
     - a part becomes the storage of the tensors it carries, which the receiving code keeps as long as it
       likes: :meth:`lend` hands out a tensor whose block comes back by itself once the last tensor on its
-      memory is freed (a finalizer on the buffer object that the tensor's storage holds).
+      memory is freed (a finalizer on the buffer object that the tensor's storage holds);
+    - a body is unpickled (which copies it) and is then of no more use: :meth:`take` lends it the same way,
+      and :meth:`give` brings its block back at once, before the tensor is freed (a body that is never given
+      back, as the reply to a call that timed out, still comes back once freed). A block comes back once.
 
     A request is served by the smallest idle block that fits and is at most twice its size, else a new one (an
     anonymous memory map: page-aligned, and its pages are only touched by the first receive into it). Blocks
@@ -356,34 +361,41 @@ class Buffers:
         self._min_bytes = min_bytes
         self._lock = threading.Lock()
         self._free: list[mmap.mmap] = []  # idle blocks, the largest first
-        self._lent: dict[int, mmap.mmap] = {}  # data pointer of a body from take -> its block
-        self._returned: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()  # blocks of lent parts, freed
+        self._taken: dict[int, _Back] = {}  # data pointer of a body from take -> the finalizer of its view
+        self._returned: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()  # blocks that came back
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` to receive into, to be given back with :meth:`give` once read."""
         if nbytes < self._min_bytes:
             return torch.empty(nbytes, dtype=torch.uint8)
-        block = self._block(nbytes)
-        body = torch.frombuffer(memoryview(block)[:nbytes], dtype=torch.uint8)
+        body, back = self._lend(nbytes)
         with self._lock:
-            self._lent[body.data_ptr()] = block
+            self._taken[body.data_ptr()] = back
         return body
 
     def give(self, body: torch.Tensor) -> None:
-        """Take back a body from :meth:`take` once nothing reads it any more (others are ignored)."""
+        """Bring back the block of a body from :meth:`take` now: nothing reads the body any more.
+
+        Bodies that did not come from :meth:`take`, or were given back already, are ignored.
+        """
         with self._lock:
-            block = self._lent.pop(body.data_ptr(), None)
-        if block is not None:
-            self._give_back(block)
+            back = self._taken.pop(body.data_ptr(), None)
+        detached = None if back is None else back.detach()  # None if it came back by itself meanwhile
+        if detached is not None:
+            self._give_back(detached[2][0])
 
     def lend(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` whose memory comes back here once no tensor uses it any more."""
         if nbytes < self._min_bytes:
             return torch.empty(nbytes, dtype=torch.uint8)
+        return self._lend(nbytes)[0]
+
+    def _lend(self, nbytes: int) -> tuple[torch.Tensor, _Back]:
         block = self._block(nbytes)
         view = memoryview(block)[:nbytes]  # the tensor's storage holds this view, and it holds the block
-        weakref.finalize(view, self._give_back, block).atexit = False
-        return torch.frombuffer(view, dtype=torch.uint8)
+        back = weakref.finalize(view, self._give_back, block)
+        back.atexit = False
+        return torch.frombuffer(view, dtype=torch.uint8), back
 
     def idle_bytes(self) -> int:
         """How many bytes the idle blocks hold."""
@@ -424,6 +436,8 @@ class Buffers:
                 break
         if came:
             self._free = sorted(self._free + came, key=len, reverse=True)
+            # bodies never given back (their blocks came back by themselves) are forgotten
+            self._taken = {address: back for address, back in self._taken.items() if back.alive}
         idle = sum(len(b) for b in self._free)
         while idle > self._keep_bytes:
             idle -= len(self._free.pop(0))  # the largest goes first; unmapped once unreferenced
