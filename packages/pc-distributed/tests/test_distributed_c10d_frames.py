@@ -12,8 +12,19 @@ import pytest
 import torch
 
 from pc_distributed import _torch_dist
-from pc_distributed.rpc._c10d_codec import Encoded
-from pc_distributed.rpc._c10d_frames import Buffers, Incoming, _body, receive_parts
+from pc_distributed.rpc import _c10d_frames as frames
+from pc_distributed.rpc._c10d_codec import Encoded, decode, encode
+from pc_distributed.rpc._c10d_frames import (
+    PACK_ALIGN,
+    PACK_MAX,
+    Buffers,
+    HeaderReceive,
+    Incoming,
+    _body,
+    packs,
+    post_frame,
+    receive_parts,
+)
 
 
 def test_buffers_of_different_sizes_are_reused_whatever_their_order() -> None:
@@ -245,3 +256,115 @@ def test_size_words_that_are_not_sizes_are_described_not_received() -> None:
         link = _Delivering([])
         assert receive_parts(link, 0, body, 1, Buffers()) == f"not sizes of message parts: [{word}]"
         assert link.received == []
+
+
+# -- packs: small parts share a message ------------------------------------------------------------------
+
+
+def test_small_parts_share_messages_and_large_or_staged_parts_go_alone() -> None:
+    kb = 100_000
+    staged = frames._STAGED
+    assert packs([kb] * 4) == [[0, 1, 2, 3]]
+    assert packs([2 << 20, kb, kb, PACK_MAX, kb]) == [[0], [1, 2], [3], [4]]
+    assert packs([kb, kb | staged, kb]) == [[0], [1], [2]]  # a staged part is received pinned, alone
+    assert packs([600_000, 600_000, 600_000]) == [[0], [1], [2]]  # a pack stays within PACK_MAX
+    # a part starts at an aligned offset: it fits exactly, or one byte more does not
+    half = PACK_MAX // 2
+    assert packs([half - 1, half]) == [[0, 1]]
+    assert packs([half + 1, half - PACK_ALIGN]) == [[0, 1]]
+    assert packs([half + 1, half - PACK_ALIGN + 1]) == [[0], [1]]
+    assert packs([]) == []
+
+
+class _Recording:
+    """A link that records what each posted send carries (as it is when posted: packs are copies)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, torch.Tensor]] = []
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        self.sent.append((tag, tensors[0].clone()))
+        return self
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:  # pragma: no cover - not used
+        raise AssertionError("a recording link only sends")
+
+    def wait(self) -> bool:
+        return True
+
+
+def _across(value: Any, buffers: Buffers) -> tuple[Any, int, Incoming]:
+    """``value`` posted as a frame and received again: (what arrives, payload messages sent, the message)."""
+    link = _Recording()
+    message = encode(value, "a test value")
+    post_frame(link, 1, frames.CALL, 0, 7, 0, message).wait()
+    (tag, header), *payloads = link.sent
+    assert tag == frames.HEADER_TAG
+    assert all(t == frames.PAYLOAD_TAG for t, _ in payloads)
+    received = HeaderReceive(header, link).take()
+    assert isinstance(received, frames.Header)
+    assert received.inline is not None
+    incoming = receive_parts(
+        _Delivering([p for _, p in payloads]), 0, received.inline, received.nparts, buffers
+    )
+    assert isinstance(incoming, Incoming)
+    return decode(incoming.head(), incoming.parts), len(payloads), incoming
+
+
+def test_a_frame_of_packed_and_lone_parts_arrives_whole_each_part_with_a_storage_of_its_own() -> None:
+    torch.manual_seed(0)
+    shared = torch.randn(30_000, dtype=torch.float64)
+    value = {
+        "odd floats": torch.randn(25_001),  # 100,004 bytes: the next part starts at an aligned offset
+        "ints": torch.arange(40_000, dtype=torch.int64),
+        "large": torch.randn(300_000, dtype=torch.float64),  # 2.4 MB: alone, not copied
+        "bytes": torch.randint(0, 255, (70_001,), dtype=torch.uint8),
+        "view": shared[5:29_000],  # a view of most of its storage: the storage travels, the view is rebuilt
+        "again": shared,
+        "small": torch.ones(10),  # rides inside the pickle
+    }
+    buffers = Buffers(min_bytes=1 << 10)
+    got, messages, incoming = _across(value, buffers)
+    assert messages == 3  # one pack of the four small parts, then the large part alone, then the last pack
+    assert [p.numel() for p in incoming.parts] == [100_004, 320_000, 2_400_000, 70_001, 240_000]
+    for name, tensor in value.items():
+        assert torch.equal(got[name], tensor), name
+        assert got[name].dtype == tensor.dtype
+    assert got["view"].untyped_storage().data_ptr() == got["again"].untyped_storage().data_ptr()
+    for part in incoming.parts:
+        assert part.untyped_storage().nbytes() == part.numel()  # exactly its own bytes, as if alone
+        assert part.data_ptr() % PACK_ALIGN == 0
+
+
+def test_a_pack_comes_back_once_every_part_received_in_it_is_freed() -> None:
+    buffers = Buffers(keep_bytes=8 << 20, min_bytes=1 << 10)
+    got, messages, incoming = _across([torch.full((25_000,), float(i)) for i in range(4)], buffers)
+    assert messages == 1
+    assert [float(t[0]) for t in got] == [0.0, 1.0, 2.0, 3.0]
+    del incoming
+    kept = got[2]
+    del got
+    gc.collect()
+    assert buffers.idle_bytes() == 0  # one part of the pack still lives
+    kept.fill_(9.0)  # and its memory is still its own
+    del kept
+    assert buffers.idle_bytes() >= 400_000  # back without a garbage collection
+    again, _, _ = _across([torch.full((25_000,), -1.0) for _ in range(4)], buffers)
+    assert buffers.idle_bytes() == 0  # received into the same block
+    assert [float(t.min()) for t in again] == [-1.0] * 4
+
+
+def test_pieces_must_lie_within_what_is_lent() -> None:
+    buffers = Buffers(min_bytes=1 << 10)
+    whole, pieces = buffers.lend_pieces(4096, [(0, 100), (128, 3968)])
+    assert whole.numel() == 4096
+    assert [p.numel() for p in pieces] == [100, 3968]
+    pieces[1].fill_(5)
+    assert int(whole[128]) == 5
+    assert int(whole[4095]) == 5
+    for bad in ((4000, 100), (-1, 10), (0, -1)):
+        with pytest.raises(ValueError, match="does not lie within 4096 bytes"):
+            buffers.lend_pieces(4096, [bad])
+    small_whole, small = buffers.lend_pieces(100, [(0, 10), (64, 36)])  # under min_bytes: not kept
+    assert [p.numel() for p in small] == [10, 36]
+    assert small_whole.numel() == 100

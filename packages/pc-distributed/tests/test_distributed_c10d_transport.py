@@ -26,6 +26,7 @@ from pc_distributed._errors import RemoteTraceback
 from pc_distributed.rpc import _c10d_frames as frames
 from pc_distributed.rpc import _c10d_transport as transport_module
 from pc_distributed.rpc._c10d_frames import check_host_tensor
+from pc_distributed.rpc._c10d_state import Workers
 from pc_distributed.rpc._c10d_transport import C10dTransport
 
 _T: C10dTransport | None = None  # the transport of this process (set by each rank's body)
@@ -341,6 +342,35 @@ def test_received_tensors_own_their_memory_until_freed_then_it_is_received_into_
     assert out["again"] == {(-0.5, -0.5)}
 
 
+def _echo_storages(value: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The tensors as received, and whether each part of the request had a storage of exactly its own."""
+    return {"value": value, "own": sorted({t.untyped_storage().nbytes() for t in value.values()})}
+
+
+def _packed_parts(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    if rank != 0:
+        return {}
+    torch.manual_seed(1)
+    value = {
+        "a": torch.randn(25_001),  # four parts under PACK_MAX: one message, each at an aligned offset
+        "b": torch.arange(40_000, dtype=torch.int64),
+        "c": torch.randn(300_000, dtype=torch.float64),  # alone
+        "d": torch.randint(0, 255, (70_001,), dtype=torch.uint8),
+        "e": torch.randn(30_000, dtype=torch.float64),
+    }
+    out = t.call_sync(1, _echo_storages, (value,))
+    return {"sent": value, **out}
+
+
+def test_small_parts_travel_packed_and_arrive_with_storages_of_their_own() -> None:
+    out = run_ranks(_packed_parts, 2)[0]
+    for name, tensor in out["sent"].items():
+        echoed = out["value"][name]  # there and back: packed by both ends
+        assert echoed.dtype == tensor.dtype, name
+        assert torch.equal(echoed, tensor), name
+    assert out["own"] == sorted(t.numel() * t.element_size() for t in out["sent"].values())
+
+
 def test_links_with_a_device_each_carry_the_same_calls() -> None:
     # a torch without gloo's group options: every link makes its own device (link_devices() is None)
     results = run_ranks(_calls_both_ways, 3, shared_device=False)
@@ -378,6 +408,74 @@ def test_the_housekeeper_does_not_wake_for_the_deadlines_of_answered_calls() -> 
     assert answered == 40
     assert wakes <= 2
     assert results[1] == (0, 0)
+
+
+_STOPPED: dict[str, Any] = {}  # what a handler that shut its own transport down saw
+_STOPPED_DONE = threading.Event()
+
+
+def _shut_down_from_inside() -> str:
+    started = time.monotonic()
+    try:
+        _transport().shutdown(timeout=60)
+    except BaseException as exc:  # recorded for the test: it must not happen
+        _STOPPED["error"] = repr(exc)
+    _STOPPED["after"] = time.monotonic() - started
+    _STOPPED["running"] = _transport().is_running
+    _STOPPED_DONE.set()
+    return "stopped"  # not sent: the goodbye went first
+
+
+def _stopped_by_a_handler(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
+    global _T
+    _T = t
+    out: dict[str, Any] = {}
+    if rank == 0:
+        with pytest.raises(ConnectionError, match="'w1'"):
+            t.call_sync(1, _shut_down_from_inside, timeout=60)
+        out["running"] = t.is_running
+    else:
+        out["done"] = _STOPPED_DONE.wait(60)
+        out.update(_STOPPED)
+        for thread in threading.enumerate():  # the handler's own thread ends once the handler returned
+            if thread.name.startswith("pc-c10d"):
+                thread.join(30)
+        out["threads"] = _c10d_threads()
+    return out
+
+
+def test_a_handler_may_shut_its_own_transport_down() -> None:
+    caller, stopped = run_ranks(_stopped_by_a_handler, 2)
+    assert caller["running"]  # the caller's transport lives on; only the call to the stopped member failed
+    assert stopped["done"]
+    assert "error" not in stopped  # it did not try to join its own thread
+    assert stopped["after"] < 30  # nor wait half its timeout for its own handler to finish
+    assert not stopped["running"]
+    assert stopped["threads"] == []
+
+
+def test_a_worker_may_stop_its_own_pool() -> None:
+    pool = Workers(2, "pc-c10d-test-pool")
+    seen: dict[str, Any] = {}
+    done = threading.Event()
+
+    def stop_it() -> None:
+        try:
+            seen["still running"] = pool.stop(time.monotonic() + 30)
+        except BaseException as exc:  # recorded for the test: it must not happen
+            seen["error"] = repr(exc)
+        done.set()
+
+    pool.submit(lambda: None)  # another thread of the pool, which stop() does wait for
+    pool.submit(stop_it)
+    assert done.wait(30)
+    assert seen == {"still running": []}
+    with pytest.raises(RuntimeError, match="is stopped"):
+        pool.submit(lambda: None)
+    for thread in threading.enumerate():
+        if thread.name.startswith("pc-c10d-test-pool"):
+            thread.join(30)  # the one that stopped the pool ends once its callable returned
+    assert [t.name for t in threading.enumerate() if t.name.startswith("pc-c10d-test-pool")] == []
 
 
 # -- failure paths ------------------------------------------------------------------------------------------
@@ -580,9 +678,12 @@ def _dies_mid_frame(rank: int, t: C10dTransport, store: Any, missing: str) -> di
         header = bytearray(frames.HEADER_BYTES)
         if missing == "body":
             frames._WORDS.pack_into(header, 0, frames._MAGIC, frames.CALL, 2, 999, 0, 1 << 20, 0, 0)
-        else:  # the body (inline) announces one part of 1 MB
-            body = frames._SIZE.pack(1 << 20) + b"R"
-            frames._WORDS.pack_into(header, 0, frames._MAGIC, frames.CALL, 2, 999, 0, len(body), 1, 1)
+        else:  # the body (inline) announces one part of 1 MB, or two of 100 kB (one pack)
+            sizes = [1 << 20] if missing == "part" else [100_000, 100_000]
+            body = b"".join(frames._SIZE.pack(size) for size in sizes) + b"R"
+            frames._WORDS.pack_into(
+                header, 0, frames._MAGIC, frames.CALL, 2, 999, 0, len(body), 1, len(sizes)
+            )
             header[frames._WORDS.size : frames._WORDS.size + len(body)] = body
         tensor = torch.frombuffer(header, dtype=torch.uint8)
         link = t._peers[0].link
@@ -601,7 +702,7 @@ def _dies_mid_frame(rank: int, t: C10dTransport, store: Any, missing: str) -> di
     return out
 
 
-@pytest.mark.parametrize("missing", ["body", "part"])
+@pytest.mark.parametrize("missing", ["body", "part", "pack"])
 def test_a_peer_dying_mid_frame_is_lost_and_nothing_else_is_affected(missing: str) -> None:
     results = run_ranks(_dies_mid_frame, 3, args=(missing,), barrier=False, may_die=(2,))
     assert results[2] == DIED

@@ -76,15 +76,20 @@ class Workers:
                 self._idle += 1
 
     def stop(self, deadline: float) -> list[str]:
-        """End the threads after their current callable; the names of those still running at ``deadline``."""
+        """End the threads after their current callable; the names of those still running at ``deadline``.
+
+        Called from one of the pool's own threads (a callable that stops the pool), it does not wait for that
+        thread, which ends once the callable returns.
+        """
         with self._lock:
             self._stopped = True
             threads = list(self._threads)
         for _ in threads:
             self._queue.put(STOP)
-        for thread in threads:
+        others = [t for t in threads if t is not threading.current_thread()]
+        for thread in others:
             thread.join(max(0.0, deadline - time.monotonic()))
-        return [t.name for t in threads if t.is_alive()]
+        return [t.name for t in others if t.is_alive()]
 
 
 @dataclass(eq=False)

@@ -22,9 +22,10 @@ Data flow (one process; ``~~`` is a link's point-to-point ops, ``>>`` a queue)::
 
 **Frames** (:mod:`pc_distributed.rpc._c10d_frames`): a fixed-size header with the kind, the sender, the call
 id, the body's length and the number of parts, then the body (the parts' sizes and the pickle's head) as a
-uint8 tensor of its own (a small body rides inside the header), then each part. The thread that sends a
-frame (a caller, a worker with a reply) posts its sends itself, one frame at a time per peer (a lock), so a
-frame's messages are adjacent on the link and a peer's frames arrive in the order they were posted. A
+uint8 tensor of its own (a small body rides inside the header), then the parts (large ones alone, small
+ones packed into shared messages). The thread that sends a frame (a caller, a worker with a reply) posts its
+sends itself, one frame at a time per peer (a lock), so a frame's messages are adjacent on the link and a
+peer's frames arrive in the order they were posted. A
 posted send must stay alive until gloo has made it (a dropped ``Work`` is a send never made), and posting does
 not wait for the peer: a request's sends stay with its call until the reply, which proves they were made
 (they are then dropped without a wait: no thread wakes for them); a worker waits for its reply's sends itself;
@@ -238,6 +239,7 @@ class C10dTransport:
         self._creating: set[tuple[int, int]] = set()  # remote calls running, whose value is not kept yet
         self._released_early: set[tuple[int, int]] = set()
         self._handlers_running = 0
+        self._serving = threading.local()  # .active: this thread runs a handler (see shutdown)
         self._state = "running"  # -> "stopping" -> "stopped"
         self._workers = Workers(workers, f"pc-c10d-worker-{rank}")
         self._completions = Workers(2, f"pc-c10d-done-{rank}")
@@ -374,6 +376,9 @@ class C10dTransport:
         pending with ``ConnectionError`` and ends the threads.
         Returns by the deadline even if a peer died or a handler never returns (such a thread is a daemon and
         is logged); the process group itself is the caller's to destroy, after this.
+
+        A handler may call it (a service that stops its World): the drain does not wait for that handler, and
+        its reply is not sent (the goodbye went first), so its caller gets ``ConnectionError``.
         """
         seconds = optional_timeout("timeout", timeout)
         deadline = time.monotonic() + (self._timeout if seconds is None else seconds)
@@ -383,7 +388,9 @@ class C10dTransport:
             self._state = "stopping"
             # calls in flight and handlers running get half the time; the goodbyes get the rest
             drained = time.monotonic() + (deadline - time.monotonic()) / 2 if drain else 0.0
-            while (self._pending or self._handlers_running) and self._idle.wait(
+            # a handler that shuts its own transport down is not waited for
+            mine = 1 if getattr(self._serving, "active", False) else 0
+            while (self._pending or self._handlers_running > mine) and self._idle.wait(
                 max(0.0, drained - time.monotonic())
             ):
                 pass
@@ -409,7 +416,7 @@ class C10dTransport:
         stuck = self._workers.stop(deadline) + self._completions.stop(deadline)
         for peer in peers:
             for thread in (peer.lane_thread, *peer.receivers):
-                if thread is not None:
+                if thread is not None and thread is not threading.current_thread():
                     thread.join(max(0.0, deadline - time.monotonic()))
                     if thread.is_alive():
                         stuck.append(thread.name)
@@ -776,6 +783,7 @@ class C10dTransport:
         """Run one accepted request (on a worker, or on a receiver thread that handed its turn on), reply."""
         key = (src, call_id)
         reply: Encoded | None = None
+        self._serving.active = True
         try:
             try:
                 if kind == FETCH:
@@ -808,6 +816,7 @@ class C10dTransport:
                 reply = self._error_message(exc)
             self._send(src, reply_kind, call_id, reply)
         finally:
+            self._serving.active = False
             with self._lock:
                 self._handlers_running -= 1
                 self._idle.notify_all()
