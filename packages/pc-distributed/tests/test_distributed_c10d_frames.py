@@ -17,12 +17,14 @@ from pc_distributed.rpc._c10d_codec import Encoded, decode, encode
 from pc_distributed.rpc._c10d_frames import (
     PACK_ALIGN,
     PACK_MAX,
+    PREDICT_MAX,
     Buffers,
     HeaderReceive,
     Incoming,
     _body,
     packs,
     post_frame,
+    predicts,
     receive_parts,
 )
 
@@ -241,8 +243,10 @@ def test_parts_of_device_storages_are_marked_and_received_pinned_where_cuda_is()
     plain, staged = torch.arange(16, dtype=torch.uint8), torch.full((8,), 7, dtype=torch.uint8)
     message = Encoded(b"Rhead", (plain, staged), frozenset({1}))
     body = torch.frombuffer(bytearray(_body(message)), dtype=torch.uint8)
-    link = _Delivering([plain, staged])
-    incoming = receive_parts(link, 0, body, 2, Buffers(min_bytes=8))
+    link = _Delivering([plain, staged, torch.zeros(16, dtype=torch.uint8)])
+    incoming, ahead = receive_parts(link, 0, body, 2, Buffers(min_bytes=8))
+    assert ahead is not None  # the first message (the plain part) is posted ahead for the next frame
+    assert ahead.nbytes == plain.numel()
     assert isinstance(incoming, Incoming)
     expected = [plain.tolist(), staged.tolist()]  # received at their sizes, the mark taken off
     assert [p.tolist() for p in incoming.parts] == expected
@@ -254,7 +258,8 @@ def test_size_words_that_are_not_sizes_are_described_not_received() -> None:
     for word in (0, -5, 1 << 62):  # empty, negative, and the device mark on an empty part
         body = torch.frombuffer(bytearray(struct.pack("<q", word) + b"R"), dtype=torch.uint8)
         link = _Delivering([])
-        assert receive_parts(link, 0, body, 1, Buffers()) == f"not sizes of message parts: [{word}]"
+        described, _ = receive_parts(link, 0, body, 1, Buffers())
+        assert described == f"not sizes of message parts: [{word}]"
         assert link.received == []
 
 
@@ -276,39 +281,82 @@ def test_small_parts_share_messages_and_large_or_staged_parts_go_alone() -> None
     assert packs([]) == []
 
 
-class _Recording:
-    """A link that records what each posted send carries (as it is when posted: packs are copies)."""
+class _Loopback:
+    """Both ends of a link in one process: a send queues its bytes (as they are when posted: packs are
+    copies) under its tag, and receives take them in the order they were posted under the same tag, as gloo
+    matches them. Every receive must have the exact size of the message it takes."""
 
     def __init__(self) -> None:
-        self.sent: list[tuple[int, torch.Tensor]] = []
+        self.sent: list[tuple[int, torch.Tensor]] = []  # (tag, bytes) of every send, in order
+        self._queued: dict[int, list[torch.Tensor]] = {}
+        self._receives: dict[int, list[_Receive]] = {}
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         self.sent.append((tag, tensors[0].clone()))
-        return self
+        self._queued.setdefault(tag, []).append(self.sent[-1][1])
+        return _Receive(self, tag, None)  # a send is done once posted
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:  # pragma: no cover - not used
-        raise AssertionError("a recording link only sends")
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        receive = _Receive(self, tag, tensors[0])
+        self._receives.setdefault(tag, []).append(receive)
+        return receive
+
+    def match(self, tag: int, until: _Receive) -> None:
+        """Complete the receives posted under ``tag`` up to ``until``, in order, from the queued sends."""
+        while until.tensor is not None:
+            first = self._receives[tag].pop(0)
+            data = self._queued[tag].pop(0)  # IndexError: a receive waited for with nothing sent to it
+            assert first.tensor is not None
+            assert first.tensor.numel() == data.numel(), "a receive not of the exact size of its message"
+            first.tensor.copy_(data)
+            first.tensor = None
+
+
+class _Receive:
+    def __init__(self, link: _Loopback, tag: int, tensor: torch.Tensor | None) -> None:
+        self.link, self.tag, self.tensor = link, tag, tensor
 
     def wait(self) -> bool:
+        self.link.match(self.tag, self)
         return True
 
 
+class _Ends:
+    """A sender and a receiver of frames over a :class:`_Loopback`, with what each knows of the other."""
+
+    def __init__(self, buffers: Buffers) -> None:
+        self.link = _Loopback()
+        self.buffers = buffers
+        self.predicted: int | None = None  # the sender's view: the size the receiver posted ahead
+        self.prediction: frames.Prediction | None = None  # the receiver's receive posted ahead
+
+    def across(self, value: Any) -> tuple[Any, list[int], Incoming]:
+        """``value`` posted as a frame and received: what arrives, the payloads' tags, the message."""
+        message = encode(value, "a test value")
+        before = len(self.link.sent)
+        posted = post_frame(self.link, 1, frames.CALL, 0, 7, 0, message, self.predicted)
+        posted.wait()
+        self.predicted = posted.predicted
+        (tag, header), *payloads = self.link.sent[before:]
+        assert tag == frames.HEADER_TAG
+        self.link._queued[tag].pop(0)  # taken here, as the posted header receive would
+        received = HeaderReceive(header, _Receive(self.link, tag, None)).take()
+        assert isinstance(received, frames.Header)
+        assert received.inline is not None
+        incoming, self.prediction = receive_parts(
+            self.link, 0, received.inline, received.nparts, self.buffers, self.prediction, received.predicted
+        )
+        assert isinstance(incoming, Incoming)
+        assert (self.predicted is None) == (self.prediction is None)
+        assert self.prediction is None or self.prediction.nbytes == self.predicted  # both ends agree
+        return decode(incoming.head(), incoming.parts), [t for t, _ in payloads], incoming
+
+
 def _across(value: Any, buffers: Buffers) -> tuple[Any, int, Incoming]:
-    """``value`` posted as a frame and received again: (what arrives, payload messages sent, the message)."""
-    link = _Recording()
-    message = encode(value, "a test value")
-    post_frame(link, 1, frames.CALL, 0, 7, 0, message).wait()
-    (tag, header), *payloads = link.sent
-    assert tag == frames.HEADER_TAG
-    assert all(t == frames.PAYLOAD_TAG for t, _ in payloads)
-    received = HeaderReceive(header, link).take()
-    assert isinstance(received, frames.Header)
-    assert received.inline is not None
-    incoming = receive_parts(
-        _Delivering([p for _, p in payloads]), 0, received.inline, received.nparts, buffers
-    )
-    assert isinstance(incoming, Incoming)
-    return decode(incoming.head(), incoming.parts), len(payloads), incoming
+    """``value`` as a first frame: (what arrives, how many payload messages it took, the message)."""
+    got, tags, incoming = _Ends(buffers).across(value)
+    assert set(tags) <= {frames.PAYLOAD_TAG}  # nothing is posted ahead before a first frame
+    return got, len(tags), incoming
 
 
 def test_a_frame_of_packed_and_lone_parts_arrives_whole_each_part_with_a_storage_of_its_own() -> None:
@@ -338,19 +386,21 @@ def test_a_frame_of_packed_and_lone_parts_arrives_whole_each_part_with_a_storage
 
 def test_a_pack_comes_back_once_every_part_received_in_it_is_freed() -> None:
     buffers = Buffers(keep_bytes=8 << 20, min_bytes=1 << 10)
-    got, messages, incoming = _across([torch.full((25_000,), float(i)) for i in range(4)], buffers)
-    assert messages == 1
+    ends = _Ends(buffers)
+    got, tags, incoming = ends.across([torch.full((25_000,), float(i)) for i in range(4)])
+    assert tags == [frames.PAYLOAD_TAG]  # one message for the four parts
     assert [float(t[0]) for t in got] == [0.0, 1.0, 2.0, 3.0]
     del incoming
     kept = got[2]
     del got
     gc.collect()
-    assert buffers.idle_bytes() == 0  # one part of the pack still lives
+    assert buffers.idle_bytes() == 0  # one part of the pack still lives (and a receive waits, posted ahead)
     kept.fill_(9.0)  # and its memory is still its own
     del kept
     assert buffers.idle_bytes() >= 400_000  # back without a garbage collection
-    again, _, _ = _across([torch.full((25_000,), -1.0) for _ in range(4)], buffers)
-    assert buffers.idle_bytes() == 0  # received into the same block
+    again, tags, _ = ends.across([torch.full((25_000,), -1.0) for _ in range(4)])
+    assert tags == [frames.PREDICTED_TAG]
+    assert buffers.idle_bytes() == 0  # the next receive posted ahead took the block that came back
     assert [float(t.min()) for t in again] == [-1.0] * 4
 
 
@@ -368,3 +418,69 @@ def test_pieces_must_lie_within_what_is_lent() -> None:
     small_whole, small = buffers.lend_pieces(100, [(0, 10), (64, 36)])  # under min_bytes: not kept
     assert [p.numel() for p in small] == [10, 36]
     assert small_whole.numel() == 100
+
+
+# -- receives posted ahead ---------------------------------------------------------------------------------
+
+
+def test_the_size_posted_ahead_is_the_last_one_that_could_be_when_none_other_waited() -> None:
+    kb, staged = 100_000, frames._STAGED
+    span4 = frames._offsets([kb] * 4)[1]
+    assert predicts([kb] * 4, None) == (False, span4)  # a first frame: posted ahead for the next one
+    assert predicts([kb] * 4, span4) == (True, span4)  # the same sizes: sent there, and posted again
+    assert predicts([kb] * 2, span4) == (False, span4)  # others: sent as before; the waiting one stays
+    assert predicts([], span4) == (False, span4)  # no parts
+    assert predicts([kb | staged, kb], span4) == (False, span4)  # a staged first part goes pinned
+    assert predicts([kb | staged], None) == (False, None)
+    too_big = PREDICT_MAX + 1
+    assert predicts([too_big], None) == (False, None)  # would hold too much memory waiting
+    assert predicts([PREDICT_MAX], None) == (False, PREDICT_MAX)
+    assert predicts([2 << 20, kb], None) == (False, 2 << 20)  # the first message is the large part alone
+
+
+def test_a_frame_that_repeats_its_sizes_sends_its_first_message_to_the_receive_posted_ahead() -> None:
+    buffers = Buffers(keep_bytes=64 << 20, min_bytes=1 << 10)
+    ends = _Ends(buffers)
+    four = [torch.full((25_000,), float(i)) for i in range(4)]
+    payload, ahead = frames.PAYLOAD_TAG, frames.PREDICTED_TAG
+    frames_sent = [
+        (four, [payload]),  # a first frame: its receives are posted once its header came
+        (four, [ahead]),  # the same sizes: straight to the receive posted ahead
+        ([four[0], four[1]], [payload]),  # other sizes: as before (the receive posted ahead still waits)
+        ({"big": torch.ones(1 << 20), "small": four}, [payload, payload]),  # a large first part: as before
+        ([t + 1 for t in four], [ahead]),  # the first sizes again: the receive still waiting takes them
+        ([t + 2 for t in four], [ahead]),
+        ("no parts", []),
+        ([t + 3 for t in four], [ahead]),
+    ]
+    for value, tags in frames_sent:
+        got, sent_tags, incoming = ends.across(value)
+        assert sent_tags == tags
+        if isinstance(value, list):
+            assert [float(t[0]) for t in got] == [float(t[0]) for t in value]
+            assert all(torch.equal(a, b) for a, b in zip(got, value, strict=True))
+        elif isinstance(value, dict):
+            assert torch.equal(got["big"], value["big"])
+        for part in incoming.parts:
+            assert part.untyped_storage().nbytes() == part.numel()
+    # a frame received into the receive posted ahead keeps its memory until freed; one more receive waits
+    assert ends.prediction is not None
+    held = ends.prediction.nbytes
+    del got, incoming
+    assert buffers.idle_bytes() >= 3 * 400_000  # what arrived came back once freed...
+    assert ends.prediction.nbytes == held  # ...but not the receive that waits
+
+
+def test_a_header_that_does_not_match_the_receive_posted_ahead_is_described_not_received() -> None:
+    kb = 100_000
+    body = torch.frombuffer(bytearray(struct.pack("<2q", kb, kb) + b"R"), dtype=torch.uint8)
+    link = _Loopback()
+    described, ahead = receive_parts(link, 0, body, 2, Buffers(), None, True)  # none was posted ahead
+    assert isinstance(described, str)
+    assert "do not match the receive posted ahead" in described
+    assert ahead is None
+    waiting = frames.post_prediction(link, 0, 12_345, Buffers())
+    described, ahead = receive_parts(link, 0, body, 2, Buffers(), waiting, True)  # posted for other sizes
+    assert isinstance(described, str)
+    assert ahead is waiting
+    assert link.sent == []  # nothing was taken

@@ -169,7 +169,7 @@ def _happy(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
     me = threading.get_ident()
 
     def recording(*args: Any) -> Any:
-        kind, message = args[2], args[-1]
+        kind, message = args[2], args[6]
         # this thread's requests: not replies, nor the calls back of handlers the other ranks still run
         if kind in (frames.CALL, frames.REMOTE) and threading.get_ident() == me:
             posted.append(tuple(p.data_ptr() for p in message.parts))
@@ -338,7 +338,8 @@ def test_received_tensors_own_their_memory_until_freed_then_it_is_received_into_
     assert out["server_idle"] >= n * part  # what the handler kept came back once it let go of it
     assert out["idle_while_held"] < part
     assert out["idle_once_freed"] >= n * part
-    assert out["reused"] == n
+    # received into again: all but one, which waits as the receive posted ahead for the next reply
+    assert out["reused"] == n - 1
     assert out["again"] == {(-0.5, -0.5)}
 
 

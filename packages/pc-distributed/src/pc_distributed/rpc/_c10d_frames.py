@@ -6,7 +6,10 @@ tag :data:`PAYLOAD_TAG`), then by the message's *parts*, also with tag :data:`PA
 :data:`PACK_MAX` bytes or more is a message of its own, smaller ones travel packed together (below). The
 header starts with eight little-endian int64 words::
 
-    magic | kind | sender rank | call id | aux | body bytes | body inline (0 or 1) | parts | inline body ...
+    magic | kind | sender rank | call id | aux | body bytes | flags | parts | inline body ...
+
+``flags`` has bit 0 set when the body rides inside the header, and bit 1 when the frame's first message of
+parts goes to the receive posted ahead for it (below).
 
 The body is the parts' sizes (one int64 each) followed by the message's head (:class:`~._c10d_codec.Encoded`).
 A part is a large tensor storage, sent from the tensor's own memory and received into memory that the
@@ -26,6 +29,18 @@ piece of it (the block comes back once the last of them is freed). Which parts s
 their size words alone (:func:`packs`), so both ends agree without a word more in the frame. Copying a
 mebibyte costs less than the message it saves (docs/distributed.md, "RPC backends", has the figures); larger
 parts are not copied.
+
+**Receives posted ahead.** Packing leaves one round trip per frame with parts: the first message of parts
+cannot go before its receive is posted, and that is when the header has arrived. So once a frame with parts
+has come, the receiver posts the receive of the next one's first message at once, with the size this one's
+had, under :data:`PREDICTED_TAG`: the next frame whose first message has that size sends it there, and it goes
+with the header, without waiting for a notification (a frame that repeats its sizes, as a training step's
+gradients do, costs one message in flight, not a round trip more). Every receive still has the exact size of
+the message it takes. Both ends know which size is posted from the frames they exchanged
+(:func:`predicts`): it is that of the last frame whose first message could be posted ahead when no receive
+of another size was waiting; a frame of another size goes as before, and its header says which it is. Only
+host messages of at most :data:`PREDICT_MAX` bytes are posted ahead, so a link holds at most that much lent
+memory waiting.
 
 A small call (a few hundred bytes pickled) is one message each way instead of two: a gloo message costs a
 notification round trip on top of its bytes, and a header of one kilobyte costs no more to move than one of
@@ -67,6 +82,8 @@ __all__ = [
     "PACK_MAX",
     "PAYLOAD_TAG",
     "PING",
+    "PREDICTED_TAG",
+    "PREDICT_MAX",
     "RELEASE",
     "REMOTE",
     "REQUESTS",
@@ -76,27 +93,34 @@ __all__ = [
     "HeaderReceive",
     "Incoming",
     "Posted",
+    "Prediction",
     "check_host_tensor",
     "packs",
     "post_frame",
     "post_header",
+    "post_prediction",
+    "predicts",
     "receive_body",
     "receive_parts",
 ]
 
-# Tags of the two frame parts on a link (any values work; these are recognisable in traces).
+# Tags of the frames' messages on a link (any values work; these are recognisable in traces).
 HEADER_TAG = 0x7C10
 PAYLOAD_TAG = 0x7C11
+PREDICTED_TAG = 0x7C12  # the first message of parts, sent to the receive posted ahead for it
 HEADER_BYTES = 1024
 _MAGIC = 0x5043_C10D  # the first word: a frame of this transport, in this layout
 _WORDS = struct.Struct("<8q")
 _SIZE = struct.Struct("<q")
 _STAGED = 1 << 62  # in a part's size word: the part goes on to a CUDA device
+_INLINE, _PREDICTED = 1, 2  # the header's flags
 INLINE_MAX = HEADER_BYTES - _WORDS.size  # the largest body carried inside the header
 PACK_MAX = 1 << 20
 """Parts smaller than this share messages of at most this many bytes (see the module docstring)."""
 PACK_ALIGN = 64
 """Every part inside a pack starts at a multiple of this many bytes (aligned for any dtype)."""
+PREDICT_MAX = 4 << 20
+"""The largest first message of parts whose receive is posted ahead (see the module docstring)."""
 
 # Kinds. Requests carry a pickled (fn, args, kwargs), or nothing; replies carry the call id they answer.
 CALL = 1  # run fn, reply with its value
@@ -121,6 +145,7 @@ class Header(NamedTuple):
     nbytes: int  # of the body
     inline: torch.Tensor | None  # the body, when it rode inside the header
     nparts: int
+    predicted: bool = False  # its first message of parts goes to the receive posted ahead
 
 
 class Incoming(NamedTuple):
@@ -179,6 +204,28 @@ def packs(words: list[int]) -> list[list[int]]:
             groups.append([index])
             end = size
     return groups
+
+
+def predicts(words: list[int], waiting: int | None) -> tuple[bool, int | None]:
+    """Whether a frame's first message of parts goes to the receive posted ahead; what is posted after it.
+
+    ``words`` are the frame's size words, ``waiting`` the bytes of the receive posted ahead (None: none is).
+    The sender and the receiver call it on the same frames in the same order, so they agree.
+    """
+    span = _first_span(words)
+    used = waiting is not None and span == waiting
+    return used, waiting if waiting is not None and not used else span
+
+
+def _first_span(words: list[int]) -> int | None:
+    """The bytes of a frame's first message of parts, if its receive may be posted ahead (else None)."""
+    if not words:
+        return None
+    first = packs(words)[0]
+    if words[first[0]] & _STAGED:
+        return None
+    span = _offsets([words[i] for i in first])[1]
+    return span if span <= PREDICT_MAX else None
 
 
 def _aligned(offset: int) -> int:
@@ -261,6 +308,7 @@ class Posted(NamedTuple):
 
     works: list[Any]
     sent: tuple[Any, ...]  # the body's bytes and the packs, read by their sends until the sends are done
+    predicted: int | None = None  # the size the receiver has posted ahead after this frame (see predicts)
 
     def wait(self) -> None:
         """Wait until every send of the frame is done (bounded by the link's timeout).
@@ -276,11 +324,19 @@ class Posted(NamedTuple):
 
 
 def post_frame(
-    group: Any, dst: int, kind: int, src: int, call_id: int, aux: int, message: Encoded | None
+    group: Any,
+    dst: int,
+    kind: int,
+    src: int,
+    call_id: int,
+    aux: int,
+    message: Encoded | None,
+    predicted: int | None = None,
 ) -> Posted:
     """Post the sends of one frame to rank ``dst`` of the link ``group``, without waiting for them.
 
-    ``src`` is this member's rank in the transport (written into the header).
+    ``src`` is this member's rank in the transport (written into the header). ``predicted`` is the size that
+    ``dst`` has posted ahead (:attr:`Posted.predicted` of the previous frame to it; None at first).
 
     The caller keeps ``message`` and the returned :class:`Posted` alive until its :meth:`~Posted.wait`
     returned: a dropped work's send is never performed, and a part is read from its tensor's memory until its
@@ -290,11 +346,14 @@ def post_frame(
         RuntimeError: torch's error if the pair to ``dst`` is closed (its process died) or the group broke.
     """
     parts = () if message is None else message.parts
+    words = [] if message is None else _size_words(message)
+    used, after = predicts(words, predicted)
     body = None if message is None else _body(message)
     nbytes = 0 if body is None else len(body)
     inline = body is not None and nbytes <= INLINE_MAX
+    flags = (_INLINE if inline else 0) | (_PREDICTED if used else 0)
     header = bytearray(HEADER_BYTES)
-    _WORDS.pack_into(header, 0, _MAGIC, kind, src, call_id, aux, nbytes, int(inline), len(parts))
+    _WORDS.pack_into(header, 0, _MAGIC, kind, src, call_id, aux, nbytes, flags, len(parts))
     if inline and body:
         header[_WORDS.size : _WORDS.size + nbytes] = body
     frame = check_host_tensor(torch.frombuffer(header, dtype=torch.uint8), "a frame header")
@@ -304,14 +363,15 @@ def post_frame(
             _posted(group.send([check_host_tensor(_bytes_tensor(body), "a frame body")], dst, PAYLOAD_TAG))
         )
     sent: list[Any] = [] if body is None or inline else [body]
-    for group_of in packs(_size_words(message)) if message is not None else ():
+    for index, group_of in enumerate(packs(words)):
         if len(group_of) == 1:
             tensor = parts[group_of[0]]
         else:
             tensor = _pack([check_host_tensor(parts[i], "a message part") for i in group_of])
             sent.append(tensor)
-        works.append(_posted(group.send([check_host_tensor(tensor, "a message part")], dst, PAYLOAD_TAG)))
-    return Posted(works, tuple(sent))
+        tag = PREDICTED_TAG if used and index == 0 else PAYLOAD_TAG
+        works.append(_posted(group.send([check_host_tensor(tensor, "a message part")], dst, tag)))
+    return Posted(works, tuple(sent), after)
 
 
 class HeaderReceive(NamedTuple):
@@ -334,17 +394,20 @@ class HeaderReceive(NamedTuple):
         """
         self.work.wait()
         words = _WORDS.unpack_from(memoryview(self.frame.numpy()))  # type: ignore[arg-type]
-        magic, kind, src, call_id, aux, nbytes, inline, nparts = words
+        magic, kind, src, call_id, aux, nbytes, flags, nparts = words
+        inline = flags & _INLINE
         if (
             magic != _MAGIC
             or kind not in KINDS
             or nbytes < _SIZE.size * nparts
             or nparts < 0
+            or flags & ~(_INLINE | _PREDICTED)
+            or (flags & _PREDICTED and not nparts)
             or (inline and nbytes > INLINE_MAX)
         ):
             return f"not a frame header: {list(words)}"
         body = self.frame[_WORDS.size : _WORDS.size + nbytes] if inline else None
-        return Header(kind, src, call_id, aux, nbytes, body, nparts)
+        return Header(kind, src, call_id, aux, nbytes, body, nparts, bool(flags & _PREDICTED))
 
 
 def post_header(group: Any, src: int) -> HeaderReceive:
@@ -380,8 +443,41 @@ def receive_body(group: Any, src: int, nbytes: int, buffers: Buffers) -> torch.T
     return body
 
 
-def receive_parts(group: Any, src: int, body: torch.Tensor, nparts: int, memory: Buffers) -> Incoming | str:
+class Prediction(NamedTuple):
+    """The receive of the first message of parts of a peer's next frame, posted ahead (:func:`predicts`)."""
+
+    nbytes: int
+    view: memoryview  # lent memory: the parts received into it get storages over pieces of it
+    whole: torch.Tensor  # over ``view``: written by gloo until the receive is done
+    work: Any
+
+
+def post_prediction(group: Any, src: int, nbytes: int, memory: Buffers) -> Prediction:
+    """Post the receive of ``nbytes`` ahead, under :data:`PREDICTED_TAG`, from rank ``src`` of the link.
+
+    It lands in memory lent by ``memory``.
+
+    Raises:
+        RuntimeError: torch's error if the link is closed.
+    """
+    view = memory.lend_view(nbytes)
+    whole = torch.frombuffer(view, dtype=torch.uint8)
+    return Prediction(nbytes, view, whole, _posted(group.recv([whole], src, PREDICTED_TAG)))
+
+
+def receive_parts(
+    group: Any,
+    src: int,
+    body: torch.Tensor,
+    nparts: int,
+    memory: Buffers,
+    prediction: Prediction | None = None,
+    predicted: bool = False,
+) -> tuple[Incoming | str, Prediction | None]:
     """Receive the ``nparts`` parts that follow ``body`` from rank ``src`` of the link.
+
+    ``prediction`` is the receive posted ahead on this link (None at first); ``predicted`` says whether the
+    frame's header sends its first message of parts there.
 
     A part lands in memory lent by ``memory`` (:meth:`Buffers.lend`; a pack's parts in one block,
     :meth:`Buffers.lend_pieces`), which becomes the storage of the tensors it carries; a staged part lands in
@@ -390,22 +486,37 @@ def receive_parts(group: Any, src: int, body: torch.Tensor, nparts: int, memory:
     Every receive is posted before the first is waited for, so the parts stream one after the other.
 
     Returns:
-        The message, or a description of the sizes when they are not sizes of parts.
+        The message, or a description of the sizes when they are not sizes of parts (or do not match the
+        receive posted ahead); and the receive posted ahead from now on.
 
     Raises:
         RuntimeError: torch's error if ``src`` died before sending them all, or the group broke.
     """
     if not nparts:
-        return Incoming(body)
+        return Incoming(body), prediction
     words = [_SIZE.unpack_from(memoryview(body.numpy()), _SIZE.size * i)[0] for i in range(nparts)]  # type: ignore[arg-type]
     if min(words) <= 0 or min(w & ~_STAGED for w in words) <= 0:
-        return f"not sizes of message parts: {words}"
+        return f"not sizes of message parts: {words}", prediction
+    used, after = predicts(words, None if prediction is None else prediction.nbytes)
+    if used != predicted:
+        return f"parts of {words} do not match the receive posted ahead for them ({prediction})", prediction
     # without CUDA the codec refuses a staged part, naming its device; host-only frames do not ask
     pinned = any(w & _STAGED for w in words) and torch.cuda.is_available()
     parts: list[torch.Tensor] = []
     works = []
-    for group_of in packs(words):
-        if len(group_of) == 1:
+    for index, group_of in enumerate(packs(words)):
+        if used and index == 0 and prediction is not None:
+            sizes = [words[i] for i in group_of]
+            offsets, _ = _offsets(sizes)
+            view = prediction.view
+            parts.extend(
+                torch.frombuffer(view, dtype=torch.uint8, count=size, offset=offset)
+                for offset, size in zip(offsets, sizes, strict=True)
+            )
+            works.append(prediction.work)
+            del view
+            prediction = None
+        elif len(group_of) == 1:
             word = words[group_of[0]]
             size = word & ~_STAGED
             whole = (
@@ -414,16 +525,20 @@ def receive_parts(group: Any, src: int, body: torch.Tensor, nparts: int, memory:
                 else memory.lend(size)
             )
             parts.append(whole)
+            works.append(_posted(group.recv([whole], src, PAYLOAD_TAG)))
+            del whole
         else:
             sizes = [words[i] for i in group_of]
             offsets, end = _offsets(sizes)
             whole, pieces = memory.lend_pieces(end, list(zip(offsets, sizes, strict=True)))
             parts.extend(pieces)
-        works.append(_posted(group.recv([whole], src, PAYLOAD_TAG)))
-        del whole
+            works.append(_posted(group.recv([whole], src, PAYLOAD_TAG)))
+            del whole
     for work in reversed(works):  # the last one is done last: one wake-up for them all
         work.wait()
-    return Incoming(body, tuple(parts))
+    if prediction is None and after is not None:
+        prediction = post_prediction(group, src, after, memory)
+    return Incoming(body, tuple(parts)), prediction
 
 
 _Back: TypeAlias = "weakref.finalize[[mmap.mmap], memoryview]"  # brings a lent block back once its view dies
@@ -499,13 +614,21 @@ class Buffers:
         for offset, size in pieces:
             if offset < 0 or size < 0 or offset + size > nbytes:
                 raise ValueError(f"piece (offset {offset}, size {size}) does not lie within {nbytes} bytes")
-        view = memoryview(bytearray(nbytes)) if nbytes < self._min_bytes else self._view(nbytes)[0]
+        view = self.lend_view(nbytes)
         # every tensor made by frombuffer over the view holds the view itself (not a copy of it), so the
         # block's finalizer, which is on the view, runs once the last of them is freed
         whole = torch.frombuffer(view, dtype=torch.uint8)
         return whole, tuple(
             torch.frombuffer(view, dtype=torch.uint8, count=size, offset=offset) for offset, size in pieces
         )
+
+    def lend_view(self, nbytes: int) -> memoryview:
+        """``nbytes`` of memory as a writable view, which comes back here once no longer referenced.
+
+        Tensors made over it with ``torch.frombuffer`` reference the view itself: the memory comes back once
+        the view and all of them are freed.
+        """
+        return memoryview(bytearray(nbytes)) if nbytes < self._min_bytes else self._view(nbytes)[0]
 
     def _lend(self, nbytes: int) -> tuple[torch.Tensor, _Back]:
         view, back = self._view(nbytes)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pc_distributed.rpc._c10d_codec import Encoded
-from pc_distributed.rpc._c10d_frames import Incoming, Posted
+from pc_distributed.rpc._c10d_frames import Incoming, Posted, Prediction
 
 __all__ = ["STOP", "Peer", "PendingCall", "Workers"]
 
@@ -134,6 +134,8 @@ class Peer:
     turn: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)  # receiving handed on, or STOP
     waiting_turns: int = 0  # receiver threads waiting for the turn (under the transport's lock)
     receiver_done: threading.Event = field(default_factory=threading.Event)  # receiving from it has ended
+    predicted: int | None = None  # the size it has posted ahead for our next parts (under post_lock)
+    prediction: Prediction | None = None  # our receive posted ahead for its next parts (its receivers')
     said_bye: bool = False  # our goodbye is posted: nothing more goes to it (set under post_lock)
     heard_bye: bool = False  # its goodbye arrived: nothing more comes from it
     lost: str | None = None  # why it is unreachable, once it is

@@ -43,8 +43,10 @@ handler may therefore call back into its caller: the reply comes through the oth
 comes while the other thread is busy with a request of its own goes to a small pool of worker threads. Nothing
 polls: every thread sleeps in a blocking wait that a frame, a queued item or a deadline ends. A receive posted
 for one given peer is announced to it at once, so a frame costs one message, not a notification round trip
-more. A receiver posts the next header's receive before it hands a frame on: posting releases the GIL, and
-done after the hand-off it would contend for it with the thread just woken, a context switch each way.
+more; the same holds for the first message of parts of a frame that repeats the sizes of an earlier one (its
+receive is posted ahead: :mod:`~._c10d_frames`). A receiver posts the next header's receive before it hands a
+frame on: posting releases the GIL, and done after the hand-off it would contend for it with the thread just
+woken, a context switch each way.
 
 **Why a link per pair** (gloo's ``transport/tcp/unbound_buffer.cc``, ``context.cc``, ``pair.cc``; torch's
 ``ProcessGroupGloo.cpp``): a failure in gloo is a failure of a whole group.
@@ -572,10 +574,13 @@ class C10dTransport:
                 failed = peer.lost or "this member said goodbye to it"
             else:
                 try:
-                    posted = post_frame(peer.link, peer.link_rank, kind, self._rank, call_id, aux, message)
+                    posted = post_frame(
+                        peer.link, peer.link_rank, kind, self._rank, call_id, aux, message, peer.predicted
+                    )
                 except RuntimeError as exc:
                     failed = f"a send to it failed ({exc})"
                 else:
+                    peer.predicted = posted.predicted
                     peer.last_sent = time.monotonic()
                     peer.said_bye = kind == BYE
                     if request is not None:
@@ -698,7 +703,15 @@ class C10dTransport:
                 if body is None and header.nbytes:
                     body = receive_body(peer.link, peer.link_rank, header.nbytes, self._buffers)
                 if body is not None:
-                    message = receive_parts(peer.link, peer.link_rank, body, header.nparts, self._buffers)
+                    message, peer.prediction = receive_parts(
+                        peer.link,
+                        peer.link_rank,
+                        body,
+                        header.nparts,
+                        self._buffers,
+                        peer.prediction,
+                        header.predicted,
+                    )
                 if header.kind != BYE:
                     posted = post_header(peer.link, peer.link_rank)
             except Exception as exc:  # its connection closed mid-frame, or no memory for the message
