@@ -18,7 +18,6 @@ from pc_distributed.rpc._c10d_frames import (
     PACK_ALIGN,
     PACK_MAX,
     PREDICT_MAX,
-    Buffers,
     HeaderReceive,
     Incoming,
     _body,
@@ -27,6 +26,7 @@ from pc_distributed.rpc._c10d_frames import (
     predicts,
     receive_parts,
 )
+from pc_distributed.rpc._c10d_memory import Buffers
 
 
 def test_buffers_of_different_sizes_are_reused_whatever_their_order() -> None:

@@ -34,7 +34,7 @@ thread that waits for them in order. No caller is blocked by a slow or stalled p
 
 **The receivers.** Two threads per peer take turns receiving that peer's frames on their link: the thread with
 the turn receives the next header, then the body if it did not ride inside the header, then the parts (each
-into memory lent by :class:`~._c10d_frames.Buffers`, which becomes the storage of the tensors it carries and
+into memory lent by :class:`~._c10d_memory.Buffers`, which becomes the storage of the tensors it carries and
 is received into again once they are freed). A reply goes to the waiting call. A request is run by the
 receiving thread itself when the other thread is waiting for the turn: it hands the turn on first (the next
 header's receive, already posted), so the request starts at once on a thread that is running anyway, instead
@@ -130,7 +130,6 @@ from pc_distributed.rpc._c10d_frames import (
     REMOTE,
     REQUESTS,
     VALUE,
-    Buffers,
     HeaderReceive,
     Incoming,
     Posted,
@@ -139,6 +138,7 @@ from pc_distributed.rpc._c10d_frames import (
     receive_body,
     receive_parts,
 )
+from pc_distributed.rpc._c10d_memory import Buffers
 from pc_distributed.rpc._c10d_ref import C10dRemoteRef
 from pc_distributed.rpc._c10d_state import STOP, Peer, PendingCall, Workers
 
