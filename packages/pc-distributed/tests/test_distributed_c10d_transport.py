@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import random
 import signal
 import socket
 import threading
@@ -370,6 +371,51 @@ def test_small_parts_travel_packed_and_arrive_with_storages_of_their_own() -> No
         assert echoed.dtype == tensor.dtype, name
         assert torch.equal(echoed, tensor), name
     assert out["own"] == sorted(t.numel() * t.element_size() for t in out["sent"].values())
+
+
+def _tagged_echo(tag: int, value: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
+    return tag, value
+
+
+_SHAPES = (  # part sizes in floats: packed, alone, a pack then a large part, under and over the 4 MiB bound
+    [25_000] * 4,
+    [75_000],
+    [25_000, 600_000],
+    [1 << 20],
+    [(1 << 20) + 1],
+)
+
+
+def _mixed_sizes_from_threads(rank: int, t: C10dTransport, store: Any) -> list[str]:
+    """Threads of both ranks call each other with frames whose sizes change from call to call."""
+    other = 1 - rank
+    failures: list[str] = []
+
+    def caller(seed: int) -> None:
+        rng = random.Random(seed)
+        for i in range(12):
+            shape = _SHAPES[rng.randrange(len(_SHAPES))]
+            value = [torch.full((n,), float(seed * 100 + i + k)) for k, n in enumerate(shape)]
+            tag, echoed = t.call_sync(other, _tagged_echo, (seed * 100 + i, value), timeout=60)
+            if tag != seed * 100 + i or not all(
+                torch.equal(a, b) for a, b in zip(echoed, value, strict=True)
+            ):
+                failures.append(f"rank {rank}, thread {seed}, call {i}: {[x.numel() for x in echoed]}")
+
+    threads = [threading.Thread(target=caller, args=(rank * 10 + k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    failures.extend(f"rank {rank}: a thread still runs" for th in threads if th.is_alive())
+    store_barrier(store, "mixed done", [0, 1], rank)
+    return failures
+
+
+def test_frames_of_changing_sizes_from_many_threads_both_ways_all_arrive_intact() -> None:
+    # which size waits posted ahead changes with the frames each side sends; every frame must still arrive
+    # whole and in the right receive, whatever the threads interleave
+    assert run_ranks(_mixed_sizes_from_threads, 2) == [[], []]
 
 
 def test_links_with_a_device_each_carry_the_same_calls() -> None:

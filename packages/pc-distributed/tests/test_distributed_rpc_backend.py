@@ -9,6 +9,9 @@ skipped the backend, fails these tests.
 
 from __future__ import annotations
 
+import threading
+import time
+import warnings
 from typing import Any
 
 import pytest
@@ -139,6 +142,67 @@ def test_a_remote_exception_crosses_the_backend_with_its_traceback(observed: lis
 
 def test_world_stop_shuts_the_backend_down_gracefully(observed: list[dict[str, Any]]) -> None:
     assert [o["shutdowns"] for o in observed] == [[(True, 30.0)]] * 2
+
+
+# -- a service that stops its own World --------------------------------------------------------------------
+
+_STOPPED = threading.Event()
+_SEEN: dict[str, Any] = {}
+
+
+def _stop_my_world() -> str:
+    world = pd.get_world()
+    assert world is not None
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            world.stop(timeout=5, graceful=False)
+        except BaseException as exc:  # recorded for the test: it must not happen
+            _SEEN["error"] = repr(exc)
+    _SEEN["after"] = time.monotonic() - started
+    _SEEN["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    _SEEN["cleared"] = pd.get_world() is None
+    _STOPPED.set()
+    return "stopped"
+
+
+def _stopped_from_inside(rank: int) -> dict[str, Any]:
+    world = pd.get_world()
+    assert world is not None
+    group = world.create_rpc_group("selfstop", ["0", "1"])
+    if rank == 1:
+        group.register("stop", _stop_my_world)
+    group.barrier(timeout=30)
+    if rank == 0:
+        try:
+            return {"caller": repr(group.registered_sync("stop", timeout=60))}
+        except ConnectionError as exc:  # any other error fails the rank, and the test with it
+            return {"caller": f"ConnectionError: {exc}"}
+    return {"done": _STOPPED.wait(60), **_SEEN}
+
+
+@pytest.mark.parametrize("backend", ["tensorpipe", "c10d"])
+def test_a_service_that_stops_its_own_world_ends_in_time(backend: str) -> None:
+    caller, stopped = pd.run_world(
+        _stopped_from_inside,
+        2,
+        timeout=120,
+        start_method=fork_unless_cuda(),
+        rpc_timeout=30,
+        rpc_backend=backend,
+    )
+    assert stopped["done"]
+    assert "error" not in stopped
+    assert stopped["cleared"]
+    assert stopped["after"] < 20  # bounded by the stop's timeout (5 s); it never returned on TensorPipe
+    # the caller is told the member is gone (its reply never came: the member stopped first)
+    assert caller["caller"].startswith("ConnectionError")
+    assert "'1'" in caller["caller"]
+    if backend == "tensorpipe":  # torch's shutdown waits for this very handler: left to end in the background
+        assert any("goes on in the background" in w for w in stopped["warnings"])
+    else:
+        assert stopped["warnings"] == []
 
 
 # -- choosing a backend --------------------------------------------------------------------------------------

@@ -387,11 +387,22 @@ def start_rpc(
 def shutdown_rpc(graceful: bool, timeout: float) -> None:
     """Shut RPC down within ``timeout``; a failed graceful shutdown falls back to a non-graceful one.
 
-    A graceful shutdown without a timeout hangs forever when a peer died, so there is always one.
+    A graceful shutdown without a timeout hangs forever when a peer died, so there is always one. Either kind
+    then joins the RPC agent's threads, which never ends when it is called from one of them (a handler that
+    stops its World): so each runs on a helper thread and is given ``timeout`` (the graceful one, whose own
+    timeout bounds only the wait for the peers, twice that). One that has not ended by then is left to end in
+    the background (once that handler returns) with a ``RuntimeWarning``.
     """
     if graceful:
         try:
-            rpc.shutdown(graceful=True, timeout=timeout)
+            call_bounded(
+                lambda: rpc.shutdown(graceful=True, timeout=timeout),
+                2 * timeout,
+                "torch's graceful RPC shutdown",
+            )
+            return
+        except TimeoutError as exc:
+            _warn_left_running(exc)
             return
         except Exception as exc:
             warnings.warn(
@@ -400,6 +411,17 @@ def shutdown_rpc(graceful: bool, timeout: float) -> None:
                 stacklevel=4,  # World.stop's caller (through the backend's shutdown)
             )
     try:
-        rpc.shutdown(graceful=False)
+        call_bounded(lambda: rpc.shutdown(graceful=False), timeout, "torch's non-graceful RPC shutdown")
+    except TimeoutError as exc:
+        _warn_left_running(exc)
     except Exception as exc:  # pragma: no cover - torch refuses a second shutdown on some versions
         logger.debug("non-graceful RPC shutdown raised %r", exc)
+
+
+def _warn_left_running(exc: TimeoutError) -> None:
+    warnings.warn(
+        f"{exc}; it goes on in the background: torch joins the RPC agent's threads, and World.stop was "
+        "probably called from one of them (an RPC handler), which it waits for until it returns",
+        RuntimeWarning,
+        stacklevel=5,  # World.stop's caller
+    )
