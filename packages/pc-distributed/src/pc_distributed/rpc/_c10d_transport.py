@@ -25,12 +25,12 @@ id, the body's length and the number of parts, then the body (the parts' sizes a
 uint8 tensor of its own (a small body rides inside the header), then the parts (large ones alone, small
 ones packed into shared messages). The thread that sends a frame (a caller, a worker with a reply) posts its
 sends itself, one frame at a time per peer (a lock), so a frame's messages are adjacent on the link and a
-peer's frames arrive in the order they were posted. A
-posted send must stay alive until gloo has made it (a dropped ``Work`` is a send never made), and posting does
-not wait for the peer: a request's sends stay with its call until the reply, which proves they were made
-(they are then dropped without a wait: no thread wakes for them); a worker waits for its reply's sends itself;
-keep-alives, releases, goodbyes and the sends of calls that end without a reply go to the peer's *lane*, a
-thread that waits for them in order. No caller is blocked by a slow or stalled peer.
+peer's frames arrive in the order they were posted. A posted send must stay alive until gloo has made it (a
+dropped ``Work`` is a send never made), and posting does not wait for the peer: a request's sends stay with
+its call until the reply, which proves they were made (they are then dropped without a wait: no thread wakes
+for them); a worker waits for its reply's sends itself; keep-alives, releases, goodbyes and the sends of
+calls that end without a reply go to the peer's *lane*, a thread that waits for them in order. No caller is
+blocked by a slow or stalled peer.
 
 **The receivers.** Two threads per peer take turns receiving that peer's frames on their link: the thread with
 the turn receives the next header, then the body if it did not ride inside the header, then the parts (each

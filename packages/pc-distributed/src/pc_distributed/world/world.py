@@ -372,6 +372,12 @@ class World:
         threads can still look up and call services (through group handles) and answer RPCs: the wait has a
         store connection of its own.
 
+        A service may stop its own World (from inside its handler): with ``graceful=False`` it leaves at once
+        on c10d; on TensorPipe torch's RPC shutdown waits for that very handler, so it is given ``timeout``
+        and then left to end in the background once the handler returns (a ``RuntimeWarning``). Either way
+        the handler's caller gets ``ConnectionError`` naming the member. A graceful stop there waits at the
+        barrier for the caller, which waits for the handler, until the call times out.
+
         Args:
             timeout: Seconds for the barrier and the RPC shutdown (None or -1: ``rpc_timeout``).
             graceful: Wait for the peers' outstanding work (all ranks must call stop), else leave at once.
