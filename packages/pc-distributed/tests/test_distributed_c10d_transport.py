@@ -482,6 +482,7 @@ def _shut_down_from_inside() -> str:
 def _stopped_by_a_handler(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
     global _T
     _T = t
+    store_barrier(store, "up", [0, 1], rank)  # the handler needs rank 1's _T before the call comes
     out: dict[str, Any] = {}
     if rank == 0:
         with pytest.raises(ConnectionError, match="'w1'"):
