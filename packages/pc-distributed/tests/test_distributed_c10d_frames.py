@@ -334,7 +334,7 @@ class _Ends:
         """``value`` posted as a frame and received: what arrives, the payloads' tags, the message."""
         message = encode(value, "a test value")
         before = len(self.link.sent)
-        posted = post_frame(self.link, 1, frames.CALL, 0, 7, 0, message, self.predicted)
+        posted = post_frame(self.link, 1, frames.CALL, 0, 7, 0, message, predicted=self.predicted)
         posted.wait()
         self.predicted = posted.predicted
         (tag, header), *payloads = self.link.sent[before:]

@@ -169,12 +169,12 @@ def _happy(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
 
     me = threading.get_ident()
 
-    def recording(*args: Any) -> Any:
+    def recording(*args: Any, **kwargs: Any) -> Any:
         kind, message = args[2], args[6]
         # this thread's requests: not replies, nor the calls back of handlers the other ranks still run
         if kind in (frames.CALL, frames.REMOTE) and threading.get_ident() == me:
             posted.append(tuple(p.data_ptr() for p in message.parts))
-        return original(*args)
+        return original(*args, **kwargs)
 
     transport_module.post_frame = recording
     try:

@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pc_distributed.rpc._c10d_codec import Encoded
-from pc_distributed.rpc._c10d_memory import Buffers
+from pc_distributed.rpc._c10d_memory import Buffers, carve
 
 __all__ = [
     "BYE",
@@ -327,6 +327,7 @@ def post_frame(
     call_id: int,
     aux: int,
     message: Encoded | None,
+    *,
     predicted: int | None = None,
 ) -> Posted:
     """Post the sends of one frame to rank ``dst`` of the link ``group``, without waiting for them.
@@ -504,13 +505,8 @@ def receive_parts(
         if used and index == 0 and prediction is not None:
             sizes = [words[i] for i in group_of]
             offsets, _ = _offsets(sizes)
-            view = prediction.view
-            parts.extend(
-                torch.frombuffer(view, dtype=torch.uint8, count=size, offset=offset)
-                for offset, size in zip(offsets, sizes, strict=True)
-            )
+            parts.extend(carve(prediction.view, list(zip(offsets, sizes, strict=True))))
             works.append(prediction.work)
-            del view
             prediction = None
         elif len(group_of) == 1:
             word = words[group_of[0]]

@@ -14,7 +14,7 @@ from typing import TypeAlias
 
 import torch
 
-__all__ = ["Buffers"]
+__all__ = ["Buffers", "carve"]
 
 _Back: TypeAlias = "weakref.finalize[[mmap.mmap], memoryview]"  # brings a lent block back once its view dies
 
@@ -90,12 +90,7 @@ class Buffers:
             if offset < 0 or size < 0 or offset + size > nbytes:
                 raise ValueError(f"piece (offset {offset}, size {size}) does not lie within {nbytes} bytes")
         view = self.lend_view(nbytes)
-        # every tensor made by frombuffer over the view holds the view itself (not a copy of it), so the
-        # block's finalizer, which is on the view, runs once the last of them is freed
-        whole = torch.frombuffer(view, dtype=torch.uint8)
-        return whole, tuple(
-            torch.frombuffer(view, dtype=torch.uint8, count=size, offset=offset) for offset, size in pieces
-        )
+        return torch.frombuffer(view, dtype=torch.uint8), carve(view, pieces)
 
     def lend_view(self, nbytes: int) -> memoryview:
         """``nbytes`` of memory as a writable view, which comes back here once no longer referenced.
@@ -161,3 +156,14 @@ class Buffers:
         idle = sum(len(b) for b in self._free)
         while idle > self._keep_bytes:
             idle -= len(self._free.pop(0))  # the largest goes first; unmapped once unreferenced
+
+
+def carve(view: memoryview, pieces: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+    """One uint8 tensor over each ``(offset, size)`` piece of ``view``, each with a storage of its own.
+
+    Every tensor made by ``torch.frombuffer`` over the view holds the view itself (not a copy of it), so a
+    finalizer on the view (:meth:`Buffers.lend_view`) runs once the last of them is freed.
+    """
+    return tuple(
+        torch.frombuffer(view, dtype=torch.uint8, count=size, offset=offset) for offset, size in pieces
+    )

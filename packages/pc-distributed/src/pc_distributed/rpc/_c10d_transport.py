@@ -575,7 +575,14 @@ class C10dTransport:
             else:
                 try:
                     posted = post_frame(
-                        peer.link, peer.link_rank, kind, self._rank, call_id, aux, message, peer.predicted
+                        peer.link,
+                        peer.link_rank,
+                        kind,
+                        self._rank,
+                        call_id,
+                        aux,
+                        message,
+                        predicted=peer.predicted,
                     )
                 except RuntimeError as exc:
                     failed = f"a send to it failed ({exc})"
