@@ -27,7 +27,7 @@ from pc_distributed._errors import RemoteTraceback
 from pc_distributed.rpc import _c10d_frames as frames
 from pc_distributed.rpc import _c10d_transport as transport_module
 from pc_distributed.rpc._c10d_frames import check_host_tensor
-from pc_distributed.rpc._c10d_state import Workers
+from pc_distributed.rpc._c10d_state import KeptValues, Workers
 from pc_distributed.rpc._c10d_transport import C10dTransport
 
 _T: C10dTransport | None = None  # the transport of this process (set by each rank's body)
@@ -530,6 +530,47 @@ def test_a_worker_may_stop_its_own_pool() -> None:
         if thread.name.startswith("pc-c10d-test-pool"):
             thread.join(30)  # the one that stopped the pool ends once its callable returned
     assert [t.name for t in threading.enumerate() if t.name.startswith("pc-c10d-test-pool")] == []
+
+
+def test_kept_values_honour_early_releases_failed_creations_and_lost_creators() -> None:
+    kept = KeptValues()
+    # a release that comes while the value is being created: the value is not kept
+    kept.creating((1, 10))
+    kept.release((1, 10))
+    kept.keep((1, 10), "dropped")
+    assert kept.count() == 0
+    # a creation that fails forgets its early release: the same key kept later is kept
+    kept.creating((1, 11))
+    kept.release((1, 11))
+    kept.abandon((1, 11))
+    kept.keep((1, 11), "kept")
+    assert kept.get((1, 11), "value 11") == "kept"
+    kept.keep((2, 12), "of two")
+    assert (kept.count(), kept.count(1), kept.count(2)) == (2, 1, 1)
+    # a lost creator's values go, and none of its values is kept afterwards
+    kept.forget(1)
+    kept.keep((1, 13), "too late")
+    assert (kept.count(1), kept.count(2)) == (0, 1)
+    with pytest.raises(KeyError, match="value 11 is released or was never kept"):
+        kept.get((1, 11), "value 11")
+    # a waiter wakes on the change it waits for, made by other threads
+    keys = [(3, i) for i in range(200)]
+    writers = [threading.Thread(target=lambda ks=keys[i::4]: [kept.keep(k, k) for k in ks]) for i in range(4)]
+    for thread in writers:
+        thread.start()
+    assert kept.wait_count(200, 30, creator=3)
+    for thread in writers:
+        thread.join(30)
+    releasers = [
+        threading.Thread(target=lambda ks=keys[i::4]: [kept.release(k) for k in ks]) for i in range(4)
+    ]
+    for thread in releasers:
+        thread.start()
+    assert kept.wait_count(0, 30, creator=3)
+    for thread in releasers:
+        thread.join(30)
+    assert kept.count() == 1
+    assert not kept.wait_count(5, 0.01)
 
 
 # -- failure paths ------------------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ from pc_distributed.rpc._c10d_frames import (
 )
 from pc_distributed.rpc._c10d_memory import Buffers
 from pc_distributed.rpc._c10d_ref import C10dRemoteRef
-from pc_distributed.rpc._c10d_state import STOP, Peer, PendingCall, Workers
+from pc_distributed.rpc._c10d_state import STOP, KeptValues, Peer, PendingCall, Workers
 
 __all__ = ["C10dTransport", "default_handler"]
 
@@ -237,9 +237,7 @@ class C10dTransport:
         self._pending: dict[int, PendingCall] = {}
         self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, call id)
         self._housekeeper_due = now  # when the housekeeper wakes next, at the latest (it starts at once)
-        self._owned: dict[tuple[int, int], Any] = {}  # (creator, call id) -> value kept for a remote ref
-        self._creating: set[tuple[int, int]] = set()  # remote calls running, whose value is not kept yet
-        self._released_early: set[tuple[int, int]] = set()
+        self._kept = KeptValues()
         self._handlers_running = 0
         self._serving = threading.local()  # .active: this thread runs a handler (see shutdown)
         self._state = "running"  # -> "stopping" -> "stopped"
@@ -538,7 +536,7 @@ class C10dTransport:
         if self._state == "stopped":
             return
         if owner == self._rank:
-            self._drop_owned((self._rank, ref_id))
+            self._kept.release((self._rank, ref_id))
             return
         self._send(owner, RELEASE, 0, None, ref_id)
 
@@ -763,7 +761,7 @@ class C10dTransport:
                     pending.answer(kind, message)
                     self._idle.notify_all()
         elif kind == RELEASE:
-            self._drop_owned((src, aux))
+            self._kept.release((src, aux))
         elif kind == BYE and peer is not None:
             with self._lock:
                 peer.heard_bye = True
@@ -786,7 +784,7 @@ class C10dTransport:
             return False  # the caller has our goodbye, and with it a ConnectionError for this call
         self._handlers_running += 1
         if kind == REMOTE:
-            self._creating.add((src, call_id))
+            self._kept.creating((src, call_id))
         return True
 
     def _submit(self, src: int, kind: int, call_id: int, aux: int, message: Incoming | None) -> None:
@@ -794,9 +792,9 @@ class C10dTransport:
         try:
             self._workers.submit(lambda: self._serve(src, kind, call_id, aux, message))
         except RuntimeError:  # shut down meanwhile: the caller gets our goodbye or times out
+            self._kept.abandon((src, call_id))
             with self._lock:
                 self._handlers_running -= 1
-                self._creating.discard((src, call_id))
                 self._idle.notify_all()
 
     def _serve(self, src: int, kind: int, call_id: int, aux: int, message: Incoming | None) -> None:
@@ -807,12 +805,7 @@ class C10dTransport:
         try:
             try:
                 if kind == FETCH:
-                    with self._lock:
-                        if (src, aux) not in self._owned:
-                            raise KeyError(
-                                f"the remote value {aux} of {self._who(src)} is released or was never kept"
-                            )
-                        value = self._owned[(src, aux)]
+                    value = self._kept.get((src, aux), f"the remote value {aux} of {self._who(src)}")
                 else:
                     if message is None:  # pragma: no cover - a request always has a message
                         raise ValueError("a request frame came without its message")
@@ -823,15 +816,13 @@ class C10dTransport:
                     del message
                     value = self._handler(fn, args, kwargs)
                 if kind == REMOTE:
-                    self._keep(key, value)
+                    self._kept.keep(key, value)
                     value = None
                 reply_kind = VALUE
                 reply = None if value is None else encode(value, f"the result for {self._who(src)}")
             except Exception as exc:
                 if kind == REMOTE:
-                    with self._lock:
-                        self._creating.discard(key)
-                        self._released_early.discard(key)
+                    self._kept.abandon(key)
                 reply_kind = ERROR
                 reply = self._error_message(exc)
             self._send(src, reply_kind, call_id, reply)
@@ -849,34 +840,13 @@ class C10dTransport:
         except Exception:  # an exception that survives pickle but not its copy here
             return encode((RuntimeError(f"{type(exc).__qualname__}: {exc}"), text), "the error")
 
-    def _keep(self, key: tuple[int, int], value: Any) -> None:
-        with self._lock:
-            self._creating.discard(key)
-            creator = self._peers.get(key[0])
-            if key in self._released_early:
-                self._released_early.discard(key)
-            elif creator is None or creator.lost is None:
-                self._owned[key] = value
-            self._idle.notify_all()
-
-    def _drop_owned(self, key: tuple[int, int]) -> None:
-        with self._lock:
-            if key in self._creating:
-                self._released_early.add(key)
-            self._owned.pop(key, None)
-            self._idle.notify_all()
-
     def owned_count(self, creator: int | None = None) -> int:
         """How many values this member keeps for remote references (of ``creator`` only, if given)."""
-        with self._lock:
-            return sum(1 for key in self._owned if creator is None or key[0] == creator)
+        return self._kept.count(creator)
 
     def _wait_owned_count(self, count: int, timeout: float, creator: int | None = None) -> bool:
         """Wait until :meth:`owned_count` is ``count``; whether it is (for tests and diagnostics)."""
-        with self._lock:
-            return self._idle.wait_for(
-                lambda: sum(1 for k in self._owned if creator is None or k[0] == creator) == count, timeout
-            )
+        return self._kept.wait_count(count, timeout, creator)
 
     def _wait_lost(self, rank: int, timeout: float) -> str | None:
         """Wait until peer ``rank`` is lost; why it is, or None if it is not (for tests and diagnostics)."""
@@ -905,10 +875,9 @@ class C10dTransport:
             self._fail_calls_locked(
                 [c for c in self._pending.values() if c.peer == rank], f"it is unreachable: {why}", rank
             )
-            for key in [k for k in self._owned if k[0] == rank]:
-                del self._owned[key]
             lane = peer.lane
             self._idle.notify_all()
+        self._kept.forget(rank)
         logger.warning(
             "c10d transport of %s: %s is unreachable: %s", self._who(self._rank), self._who(rank), why
         )
