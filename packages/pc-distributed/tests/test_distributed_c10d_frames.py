@@ -26,7 +26,7 @@ from pc_distributed.rpc._c10d_frames import (
     predicts,
     receive_parts,
 )
-from pc_distributed.rpc._c10d_memory import Buffers
+from pc_distributed.rpc._c10d_memory import Buffers, host_view
 
 
 def test_buffers_of_different_sizes_are_reused_whatever_their_order() -> None:
@@ -170,6 +170,25 @@ def test_memory_lent_and_freed_by_many_threads_is_never_lent_twice() -> None:
     assert not any(t.is_alive() for t in threads)
     assert failures == []
     assert 0 < buffers.idle_bytes() <= 4 << 20
+
+
+def test_host_views_show_the_memory_itself_and_keep_it_alive() -> None:
+    floats = torch.arange(6, dtype=torch.float32)
+    view = host_view(floats)
+    assert view.nbytes == 24
+    assert bytes(view) == floats.numpy().tobytes()
+    floats[0] = 42.0  # a view, not a copy
+    assert struct.unpack_from("<f", view)[0] == 42.0
+    storage = torch.arange(100, dtype=torch.uint8)[10:20].untyped_storage()  # the whole storage, not the view
+    assert host_view(storage).nbytes == 100
+    assert host_view(torch.empty(0)).nbytes == 0
+    given = memoryview(bytearray(b"abc"))
+    assert host_view(given) is given
+    # the view alone keeps the tensor's memory: freed tensor, intact bytes
+    kept = host_view(torch.full((1 << 16,), 7, dtype=torch.uint8))
+    gc.collect()
+    _ = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(8)]  # what would reuse freed memory
+    assert set(bytes(kept)) == {7}
 
 
 def test_a_link_is_a_two_member_gloo_group_and_needs_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -340,7 +359,10 @@ class _Ends:
         (tag, header), *payloads = self.link.sent[before:]
         assert tag == frames.HEADER_TAG
         self.link._queued[tag].pop(0)  # taken here, as the posted header receive would
-        received = HeaderReceive(header, _Receive(self.link, tag, None)).take()
+        data = bytearray(header.numpy().tobytes())  # the receiving end's header memory
+        received = HeaderReceive(
+            torch.frombuffer(data, dtype=torch.uint8), data, _Receive(self.link, tag, None)
+        ).take()
         assert isinstance(received, frames.Header)
         assert received.inline is not None
         incoming, self.prediction = receive_parts(

@@ -48,6 +48,7 @@ from typing import Any, NamedTuple, TypeGuard
 import torch
 
 import pc_pickle
+from pc_distributed.rpc._c10d_memory import host_view
 
 __all__ = ["PART_MIN_BYTES", "Encoded", "decode", "encode"]
 
@@ -109,7 +110,13 @@ def _is_plain_tensor(obj: object) -> TypeGuard[torch.Tensor]:
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A uint8 tensor over all of ``storage``'s memory, on the storage's device (no copy)."""
+    """A uint8 tensor over all of ``storage``'s memory, on the storage's device (no copy).
+
+    A host storage's is made in one tensor op over its :func:`~._c10d_memory.host_view` (each op releases the
+    GIL, see there), a device storage's in two.
+    """
+    if storage.device.type == "cpu":
+        return torch.frombuffer(host_view(storage), dtype=torch.uint8)
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
@@ -185,18 +192,17 @@ class _SetAsidePickler(pickle.Pickler):
                 address = (tensor.device, storage.data_ptr(), storage.nbytes())
                 self._alive.append(tensor)
             skey = self._storages[address] = len(self._storages)
-            data = _bytes_of(storage)
             on_device = tensor.device.type != "cpu"
-            if on_device:
-                data = _to_host(data)
             if storage.nbytes() >= PART_MIN_BYTES:
                 source = len(self.parts)
-                self.parts.append(data)
+                self.parts.append(_to_host(_bytes_of(storage)) if on_device else _bytes_of(storage))
                 if on_device:
                     self.staged.add(source)
             else:  # pickled straight from the storage's (or its host copy's) memory, loaded as a bytearray
-                # (the pickler copies a buffer's bytes into the stream as it saves it: nothing to keep alive)
-                source = pickle.PickleBuffer(data.numpy())  # type: ignore[arg-type]
+                # (the pickler copies a buffer's bytes into the stream as it saves it; the view keeps the
+                # host copy alive until then)
+                memory = _to_host(_bytes_of(storage)) if on_device else storage
+                source = pickle.PickleBuffer(host_view(memory))
         return (
             "t",
             key,

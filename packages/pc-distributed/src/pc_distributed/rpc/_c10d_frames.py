@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pc_distributed.rpc._c10d_codec import Encoded
-from pc_distributed.rpc._c10d_memory import Buffers, carve
+from pc_distributed.rpc._c10d_memory import Buffers, carve, host_view
 
 __all__ = [
     "BYE",
@@ -139,20 +139,20 @@ class Header(NamedTuple):
     call_id: int
     aux: int
     nbytes: int  # of the body
-    inline: torch.Tensor | None  # the body, when it rode inside the header
+    inline: memoryview | None  # the body, when it rode inside the header (a view of the header's bytes)
     nparts: int
     predicted: bool = False  # its first message of parts goes to the receive posted ahead
 
 
 class Incoming(NamedTuple):
-    """A received message: its body (a receive buffer, or a view of the header) and its parts."""
+    """A received message: its body (a receive buffer, or a view of the header's bytes) and its parts."""
 
-    body: torch.Tensor
+    body: torch.Tensor | memoryview
     parts: tuple[torch.Tensor, ...] = ()
 
     def head(self) -> memoryview:
         """The message's head: the body after the parts' sizes (no copy)."""
-        return memoryview(self.body.numpy())[_SIZE.size * len(self.parts) :]  # type: ignore[arg-type]
+        return host_view(self.body)[_SIZE.size * len(self.parts) :]
 
     @classmethod
     def copy_of(cls, message: Encoded) -> Incoming:
@@ -160,7 +160,7 @@ class Incoming(NamedTuple):
 
         The head and the parts are copies, except the parts that are copies made for the message already.
         """
-        body = torch.frombuffer(bytearray(_body(message)), dtype=torch.uint8)
+        body = memoryview(bytearray(_body(message)))
         return cls(body, tuple(p if i in message.staged else p.clone() for i, p in enumerate(message.parts)))
 
 
@@ -238,15 +238,18 @@ def _offsets(sizes: list[int]) -> tuple[list[int], int]:
 
 
 def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
-    """One uint8 tensor holding ``parts`` at their offsets in a pack (the gaps zeroed)."""
+    """One uint8 tensor holding ``parts`` (contiguous uint8 host tensors) at their offsets in a pack.
+
+    The gaps are zeros. The bytes are copied by memoryviews, holding the GIL: one tensor op (the pack's own
+    creation) instead of two per part, each of which would let another thread take the GIL and this one wait
+    for it to give it back (see :func:`host_view`).
+    """
     offsets, end = _offsets([p.numel() for p in parts])
-    pack = torch.empty(end, dtype=torch.uint8)
-    filled = 0
+    pack = bytearray(end)
+    view = memoryview(pack)
     for part, offset in zip(parts, offsets, strict=True):
-        pack[filled:offset].zero_()
-        pack[offset : offset + part.numel()].copy_(part)
-        filled = offset + part.numel()
-    return pack
+        view[offset : offset + part.numel()] = host_view(part)
+    return torch.frombuffer(pack, dtype=torch.uint8)
 
 
 def check_host_tensor(tensor: object, what: str) -> torch.Tensor:
@@ -374,7 +377,8 @@ def post_frame(
 class HeaderReceive(NamedTuple):
     """The receive of a link's next header, posted (:func:`post_header`): :meth:`take` it to wait for it."""
 
-    frame: torch.Tensor  # written by gloo until the receive is done
+    frame: torch.Tensor  # over ``data``: written by gloo until the receive is done
+    data: bytearray  # reused by the next header's receive once this one is taken (see post_header)
     work: Any
 
     def take(self) -> Header | str:
@@ -390,7 +394,7 @@ class HeaderReceive(NamedTuple):
             RuntimeError: torch's error if the receive failed (the peer is gone, the link's timeout ran out).
         """
         self.work.wait()
-        words = _WORDS.unpack_from(memoryview(self.frame.numpy()))  # type: ignore[arg-type]
+        words = _WORDS.unpack_from(self.data)
         magic, kind, src, call_id, aux, nbytes, flags, nparts = words
         inline = flags & _INLINE
         if (
@@ -403,12 +407,16 @@ class HeaderReceive(NamedTuple):
             or (inline and nbytes > INLINE_MAX)
         ):
             return f"not a frame header: {list(words)}"
-        body = self.frame[_WORDS.size : _WORDS.size + nbytes] if inline else None
+        # a copy (at most INLINE_MAX bytes): the header's memory receives the next header meanwhile
+        body = memoryview(self.data[_WORDS.size : _WORDS.size + nbytes]) if inline else None
         return Header(kind, src, call_id, aux, nbytes, body, nparts, bool(flags & _PREDICTED))
 
 
-def post_header(group: Any, src: int) -> HeaderReceive:
+def post_header(group: Any, src: int, taken: HeaderReceive | None = None) -> HeaderReceive:
     """Post the receive of the next header from rank ``src`` of the link ``group``, without waiting for it.
+
+    ``taken``, a receive of the same link whose header was taken, lends its memory (a tensor op fewer per
+    frame: each op releases the GIL, see :func:`~._c10d_memory.host_view`).
 
     The receive is announced to the peer as soon as it is posted, so a send that comes later goes out at once
     (one message). Headers and the rest of a frame travel under different tags, so the next header's receive
@@ -419,8 +427,12 @@ def post_header(group: Any, src: int) -> HeaderReceive:
     Raises:
         RuntimeError: torch's error if the link is closed.
     """
-    frame = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-    return HeaderReceive(frame, _posted(group.recv([frame], src, HEADER_TAG)))
+    if taken is None:
+        data = bytearray(HEADER_BYTES)
+        frame = torch.frombuffer(data, dtype=torch.uint8)
+    else:
+        data, frame = taken.data, taken.frame
+    return HeaderReceive(frame, data, _posted(group.recv([frame], src, HEADER_TAG)))
 
 
 def receive_body(group: Any, src: int, nbytes: int, buffers: Buffers) -> torch.Tensor:
@@ -465,7 +477,7 @@ def post_prediction(group: Any, src: int, nbytes: int, memory: Buffers) -> Predi
 def receive_parts(
     group: Any,
     src: int,
-    body: torch.Tensor,
+    body: torch.Tensor | memoryview,
     nparts: int,
     memory: Buffers,
     prediction: Prediction | None = None,
@@ -491,7 +503,8 @@ def receive_parts(
     """
     if not nparts:
         return Incoming(body), prediction
-    words = [_SIZE.unpack_from(memoryview(body.numpy()), _SIZE.size * i)[0] for i in range(nparts)]  # type: ignore[arg-type]
+    sizes_of = host_view(body)
+    words = [_SIZE.unpack_from(sizes_of, _SIZE.size * i)[0] for i in range(nparts)]
     if min(words) <= 0 or min(w & ~_STAGED for w in words) <= 0:
         return f"not sizes of message parts: {words}", prediction
     used, after = predicts(words, None if prediction is None else prediction.nbytes)

@@ -6,6 +6,7 @@ frames' bytes land, and when that memory may be received into again.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import queue
 import threading
@@ -14,7 +15,7 @@ from typing import TypeAlias
 
 import torch
 
-__all__ = ["Buffers", "carve"]
+__all__ = ["Buffers", "carve", "host_view"]
 
 _Back: TypeAlias = "weakref.finalize[[mmap.mmap], memoryview]"  # brings a lent block back once its view dies
 
@@ -58,11 +59,14 @@ class Buffers:
             self._taken[body.data_ptr()] = back
         return body
 
-    def give(self, body: torch.Tensor) -> None:
+    def give(self, body: torch.Tensor | memoryview) -> None:
         """Bring back the block of a body from :meth:`take` now: nothing reads the body any more.
 
-        Bodies that did not come from :meth:`take`, or were given back already, are ignored.
+        Bodies that did not come from :meth:`take` (a memoryview is not), or were given back already, are
+        ignored.
         """
+        if not isinstance(body, torch.Tensor):
+            return
         with self._lock:
             back = self._taken.pop(body.data_ptr(), None)
         detached = None if back is None else back.detach()  # None if it came back by itself meanwhile
@@ -167,3 +171,21 @@ def carve(view: memoryview, pieces: list[tuple[int, int]]) -> tuple[torch.Tensor
     return tuple(
         torch.frombuffer(view, dtype=torch.uint8, count=size, offset=offset) for offset, size in pieces
     )
+
+
+def host_view(data: torch.Tensor | torch.UntypedStorage | memoryview) -> memoryview:
+    """The bytes of a contiguous host tensor or a host storage (a memoryview as it is), as a memoryview.
+
+    Made without a tensor op: torch releases the GIL in each op (``Tensor.numpy`` too), and a thread that
+    releases it while others want it waits for them to give it back, up to the interpreter's switch interval
+    (5 ms by default), which on the transport's threads is one context switch or more per message. Reading
+    the data pointer does not release it. The view keeps ``data`` alive.
+    """
+    if isinstance(data, memoryview):
+        return data
+    nbytes = data.nbytes() if isinstance(data, torch.UntypedStorage) else data.numel() * data.element_size()
+    if not nbytes:
+        return memoryview(b"")
+    array = (ctypes.c_char * nbytes).from_address(data.data_ptr())
+    array.owner = data  # type: ignore[attr-defined]  # the view holds the array, the array the memory
+    return memoryview(array).cast("B")

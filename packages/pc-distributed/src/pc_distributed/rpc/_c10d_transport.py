@@ -703,7 +703,7 @@ class C10dTransport:
                 self._lose(peer.rank, f"a malformed frame arrived from it ({header})")
                 return None
             message: Incoming | str | None = None
-            body = header.inline
+            body: torch.Tensor | memoryview | None = header.inline
             try:
                 if body is None and header.nbytes:
                     body = receive_body(peer.link, peer.link_rank, header.nbytes, self._buffers)
@@ -718,7 +718,7 @@ class C10dTransport:
                         header.predicted,
                     )
                 if header.kind != BYE:
-                    posted = post_header(peer.link, peer.link_rank)
+                    posted = post_header(peer.link, peer.link_rank, posted)
             except Exception as exc:  # its connection closed mid-frame, or no memory for the message
                 self._lose(peer.rank, f"receiving a frame's message from it failed ({exc})")
                 return None
