@@ -104,7 +104,7 @@ def _is_plain_tensor(obj: object) -> TypeGuard[torch.Tensor]:
         and obj.layout == torch.strided
         and not obj.is_quantized
         and not obj.is_nested
-        and not obj.is_conj()
+        and not (obj.dtype.is_complex and obj.is_conj())  # only complex tensors have the conjugate bit
         and not obj.is_neg()
     )
 
