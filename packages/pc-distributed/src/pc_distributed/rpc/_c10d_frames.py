@@ -242,14 +242,17 @@ def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
 
     The gaps are zeros. The bytes are copied by memoryviews, holding the GIL: one tensor op (the pack's own
     creation) instead of two per part, each of which would let another thread take the GIL and this one wait
-    for it to give it back (see :func:`host_view`).
+    for it to give it back (see :func:`~._c10d_memory.host_view`).
     """
     offsets, end = _offsets([p.numel() for p in parts])
-    pack = bytearray(end)
-    view = memoryview(pack)
+    pack = torch.empty(end, dtype=torch.uint8)
+    view = host_view(pack)
+    filled = 0
     for part, offset in zip(parts, offsets, strict=True):
-        view[offset : offset + part.numel()] = host_view(part)
-    return torch.frombuffer(pack, dtype=torch.uint8)
+        view[filled:offset] = bytes(offset - filled)
+        filled = offset + part.numel()
+        view[offset:filled] = host_view(part)
+    return pack
 
 
 def check_host_tensor(tensor: object, what: str) -> torch.Tensor:

@@ -7,6 +7,7 @@ frames' bytes land, and when that memory may be received into again.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import queue
 import threading
@@ -186,6 +187,15 @@ def host_view(data: torch.Tensor | torch.UntypedStorage | memoryview) -> memoryv
     nbytes = data.nbytes() if isinstance(data, torch.UntypedStorage) else data.numel() * data.element_size()
     if not nbytes:
         return memoryview(b"")
-    array = (ctypes.c_char * nbytes).from_address(data.data_ptr())
+    array = _bytes_type(nbytes).from_address(data.data_ptr())
     array.owner = data  # type: ignore[attr-defined]  # the view holds the array, the array the memory
     return memoryview(array).cast("B")
+
+
+@functools.lru_cache(maxsize=256)
+def _bytes_type(nbytes: int) -> type[ctypes.Array[ctypes.c_char]]:
+    """The ctypes array type of ``nbytes`` chars, kept for the sizes used last.
+
+    Making a type costs more than the rest of :func:`host_view`, and messages repeat their sizes.
+    """
+    return ctypes.c_char * nbytes
