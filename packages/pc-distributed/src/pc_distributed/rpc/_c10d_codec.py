@@ -60,7 +60,10 @@ _LENGTH = struct.Struct("<Q")
 _SET_ASIDE: tuple[type, ...] = (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)
 # Types whose objects plain pickle always carries itself: the pickler asks about every object it pickles, and
 # most of a call is these (a call's tuple, its names, its numbers), so they are answered without a look.
-_ALWAYS_PLAIN = frozenset((str, bytes, int, float, bool, type(None), tuple, list, dict))
+# A tensor's persistent id holds its dtype, and a small storage's bytes as a PickleBuffer.
+_ALWAYS_PLAIN = frozenset(
+    (str, bytes, int, float, bool, type(None), tuple, list, dict, torch.dtype, pickle.PickleBuffer)
+)
 
 
 class Encoded(NamedTuple):
