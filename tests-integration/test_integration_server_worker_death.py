@@ -48,12 +48,15 @@ def _train(rank: int) -> dict[str, float]:
                 server.push(model)  # retries on another secondary if it picked the dead one
                 versions.append(model.pp_version)
         done = pc_distributed.get_world().create_rpc_group("done", ["0", "2"])  # without rank 1, which died
-        done.barrier(60)
+        done.barrier(60)  # rank 2 has pushed every step (each push returns once queued, applied later)
+        reached = servers.impls[0].wait_for_version(STEPS, 60) if rank == 0 else False
+        done.barrier(60)  # the primary (rank 0) has applied them: a pull now sees every one
         if rank == 0:
             servers.watch()
             stats = servers.impls[0].stats()
-            return {"steps": float(stats.steps), "applied": float(stats.applied)}
-        return {"last_version": float(versions[-1]), "pushes": float(len(versions))}
+            return {"steps": float(stats.steps), "applied": float(stats.applied), "reached": float(reached)}
+        server.pull(model)
+        return {"last_version": float(model.pp_version), "pushes": float(len(versions))}
     finally:
         servers.stop(timeout=10)
 
@@ -68,4 +71,5 @@ def test_worker_killed_mid_training_others_finish_and_error_is_reported() -> Non
     # Every push of the surviving worker (and the dead worker's single push, if it arrived) was applied.
     assert survivors[0]["applied"] >= STEPS
     assert survivors[0]["steps"] >= STEPS
+    assert survivors[0]["reached"] == 1.0
     assert survivors[2]["last_version"] >= STEPS
