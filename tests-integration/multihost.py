@@ -8,7 +8,9 @@ Topology (nothing is added to the caller's own network namespace)::
 Every name carries a per-run tag (pid + random), so parallel runs never collide, and the addresses exist
 only inside the namespaces made here. :class:`SimHosts` is a context manager whose exit (also on an exception
 or Ctrl-C) kills every process in its host namespaces (they are all ours: nothing else runs there) and
-deletes the namespaces, which removes their links and addresses with them.
+deletes the namespaces, which removes their links and addresses with them. A run killed outright (SIGKILL, a
+CI timeout) cannot clean up: the next :class:`SimHosts` removes the namespaces of runs whose process is gone
+(:func:`sweep_stale`).
 
 Fault helpers: :meth:`SimHosts.cut` / :meth:`SimHosts.heal` take a host's switch port down / up (its cable
 pulled: the host's ``eth0`` loses carrier, its packets go nowhere and nobody's reach it);
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -35,7 +38,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-__all__ = ["SUBNET", "SimHosts", "TorchrunJob", "torchrun_args", "unavailable_reason", "wait_for"]
+__all__ = [
+    "SUBNET",
+    "SimHosts",
+    "TorchrunJob",
+    "sweep_stale",
+    "torchrun_args",
+    "unavailable_reason",
+    "wait_for",
+]
 
 SUBNET = "10.231.0"
 IFNAME = "eth0"
@@ -53,12 +64,47 @@ def unavailable_reason() -> str | None:
         return "simulated hosts need root (ip netns add); CI runs these tests as root"
     if shutil.which("ip") is None:
         return "the `ip` command (iproute2) is not installed"
-    probe = f"pcmh-probe-{os.getpid()}-{secrets.token_hex(2)}"
+    probe = f"pcmh{os.getpid()}-{secrets.token_hex(2)}-probe"
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"`ip netns add` failed: {made.stderr.strip()}"
     _ip("netns", "delete", probe, check=False)
     return None
+
+
+# The namespaces of a run: pcmh<pid of the run>-<4 hex digits>-<role>.
+_OURS = re.compile(r"^pcmh(\d+)-[0-9a-f]{4}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces of runs whose process is gone (killed before their teardown); return their names.
+
+    Their processes are killed first (a namespace's processes are all the harness's own). A namespace whose
+    run's pid is alive, or that is not named as the harness names them, is left alone.
+    """
+    listed = _ip("netns", "list", check=False).stdout.split("\n")
+    stale = []
+    for line in listed:
+        name = line.split(" ", 1)[0]
+        found = _OURS.match(name)
+        if found is None or _alive(int(found.group(1))):
+            continue
+        for pid in _ip("netns", "pids", name, check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        _ip("netns", "delete", name, check=False)
+        stale.append(name)
+    return stale
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str, period: float = 0.05) -> None:
@@ -88,13 +134,14 @@ class SimHosts:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         self.n = n
-        self.tag = f"pcmh{os.getpid()}{secrets.token_hex(2)}"
+        self.tag = f"pcmh{os.getpid()}-{secrets.token_hex(2)}"
         self.switch = f"{self.tag}-sw"
         self.hosts = [f"{self.tag}-h{i}" for i in range(n)]
         self._made: list[str] = []
 
     # -- set-up / teardown ---
     def __enter__(self) -> SimHosts:
+        sweep_stale()
         try:
             self._build()
         except BaseException:

@@ -15,7 +15,9 @@ Needs root and ``ip netns`` (skipped otherwise, with the reason); run with ``nox
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ import multihost_checks as checks
 import multihost_worker as worker
 import pytest
 from integration_docs import ROOT, parse_blocks
-from multihost import SimHosts, TorchrunJob, torchrun_args, unavailable_reason, wait_for
+from multihost import SimHosts, TorchrunJob, sweep_stale, torchrun_args, unavailable_reason, wait_for
 
 from pc_distributed._bounded import WAIT_GRACE
 from pc_distributed.world.world import STOP_STORE_MARGIN
@@ -57,6 +59,28 @@ RESULTS = 2 * CALL_BOUND + PAIR_BOUND + BARRIER_BOUND + STOP_BOUND  # the whole 
 def hosts() -> Iterator[SimHosts]:
     with SimHosts(HOSTS) as made:
         yield made
+
+
+def test_namespaces_of_a_killed_run_are_swept_and_a_live_runs_are_kept() -> None:
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    dead, live, other = f"pcmh{pid_max + 1}-beef-h0", f"pcmh{os.getpid()}-beef-h0", "pcmhtest-other"
+    made = []
+    try:
+        for name in (dead, live, other):
+            subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True, timeout=30)
+            made.append(name)
+        swept = sweep_stale()
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+        names = {line.split(" ", 1)[0] for line in listed.splitlines()}
+        assert dead in swept
+        assert dead not in names
+        assert live not in swept
+        assert live in names
+        assert other not in swept
+        assert other in names
+    finally:
+        for name in made:
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
 
 
 def _results(out: Path, ranks: list[int], key: str, job: TorchrunJob, timeout: float) -> dict[int, Any]:

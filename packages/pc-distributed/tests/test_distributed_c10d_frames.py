@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import random
 import struct
@@ -26,7 +27,7 @@ from pc_distributed.rpc._c10d_frames import (
     predicts,
     receive_parts,
 )
-from pc_distributed.rpc._c10d_memory import Buffers, host_view
+from pc_distributed.rpc._c10d_memory import Buffers, bytes_tensor, host_view
 
 
 def test_buffers_of_different_sizes_are_reused_whatever_their_order() -> None:
@@ -189,6 +190,19 @@ def test_host_views_show_the_memory_itself_and_keep_it_alive() -> None:
     gc.collect()
     _ = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(8)]  # what would reuse freed memory
     assert set(bytes(kept)) == {7}
+
+
+def test_bytes_tensors_are_the_bytes_themselves_and_keep_them_alive() -> None:
+    data = bytes(range(256)) * 4
+    tensor = bytes_tensor(data)
+    assert tensor.dtype == torch.uint8 and tensor.tolist() == list(data)
+    assert tensor.data_ptr() == ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value  # not a copy
+    assert bytes_tensor(b"").numel() == 0
+    # the tensor alone keeps the bytes: dropped bytes, intact values
+    kept = bytes_tensor(b"\x07" * (1 << 16))
+    gc.collect()
+    _ = [bytes(1 << 16) for _ in range(8)]  # what would reuse freed memory
+    assert set(kept.tolist()) == {7}
 
 
 def test_a_link_is_a_two_member_gloo_group_and_needs_gloo(monkeypatch: pytest.MonkeyPatch) -> None:

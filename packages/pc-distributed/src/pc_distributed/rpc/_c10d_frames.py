@@ -58,14 +58,13 @@ The codec has already copied CUDA tensors to the host: their parts are host copi
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from typing import Any, NamedTuple
 
 import torch
 
 from pc_distributed.rpc._c10d_codec import Encoded
-from pc_distributed.rpc._c10d_memory import Buffers, carve, host_view
+from pc_distributed.rpc._c10d_memory import Buffers, bytes_tensor, carve, host_view
 
 __all__ = [
     "BYE",
@@ -286,18 +285,6 @@ def check_host_tensor(tensor: object, what: str) -> torch.Tensor:
     return tensor
 
 
-def _bytes_tensor(data: bytes) -> torch.Tensor:
-    """A uint8 tensor over the bytes of ``data`` without copying them (the caller keeps ``data`` alive).
-
-    ``torch.frombuffer`` warns once per process about a read-only buffer such as ``bytes``; gloo only reads a
-    tensor it sends, so the tensor is made over a writable ctypes view of the same memory instead (a
-    ``c_char_p`` made from ``bytes`` points at the object's own buffer).
-    """
-    address = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
-    view = (ctypes.c_char * len(data)).from_address(address or 0)
-    return torch.frombuffer(view, dtype=torch.uint8)
-
-
 def _posted(work: Any) -> Any:
     """The ``Work`` of a point-to-point op of a link (a process group's ``send``/``recv`` always give one)."""
     if work is None:  # pragma: no cover - ProcessGroup.send/recv return a Work or raise
@@ -363,7 +350,7 @@ def post_frame(
     works = [_posted(group.send([frame], dst, HEADER_TAG))]
     if body is not None and not inline:
         works.append(
-            _posted(group.send([check_host_tensor(_bytes_tensor(body), "a frame body")], dst, PAYLOAD_TAG))
+            _posted(group.send([check_host_tensor(bytes_tensor(body), "a frame body")], dst, PAYLOAD_TAG))
         )
     sent: list[Any] = [] if body is None or inline else [body]
     for index, group_of in enumerate(packs(words)):

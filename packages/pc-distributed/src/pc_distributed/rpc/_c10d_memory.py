@@ -16,7 +16,7 @@ from typing import TypeAlias
 
 import torch
 
-__all__ = ["Buffers", "carve", "host_view"]
+__all__ = ["Buffers", "bytes_tensor", "carve", "host_view"]
 
 _Back: TypeAlias = "weakref.finalize[[mmap.mmap], memoryview]"  # brings a lent block back once its view dies
 
@@ -190,6 +190,22 @@ def host_view(data: torch.Tensor | torch.UntypedStorage | memoryview) -> memoryv
     array = _bytes_type(nbytes).from_address(data.data_ptr())
     array.owner = data  # type: ignore[attr-defined]  # the view holds the array, the array the memory
     return memoryview(array).cast("B")
+
+
+def bytes_tensor(data: bytes) -> torch.Tensor:
+    """A uint8 tensor over the bytes of ``data``, without copying them; the tensor keeps ``data`` alive.
+
+    ``torch.frombuffer`` warns once per process about a read-only buffer such as ``bytes``; gloo only reads a
+    tensor it sends, so the tensor is made over a writable ctypes view of the same memory instead (a
+    ``c_char_p`` made from ``bytes`` points at the object's own buffer).
+    """
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    array = _bytes_type(len(data)).from_address(
+        ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+    )
+    array.owner = data  # type: ignore[attr-defined]  # the tensor holds the array, the array the bytes
+    return torch.frombuffer(array, dtype=torch.uint8)
 
 
 @functools.lru_cache(maxsize=256)
