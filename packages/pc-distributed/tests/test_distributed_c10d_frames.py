@@ -195,7 +195,8 @@ def test_host_views_show_the_memory_itself_and_keep_it_alive() -> None:
 def test_bytes_tensors_are_the_bytes_themselves_and_keep_them_alive() -> None:
     data = bytes(range(256)) * 4
     tensor = bytes_tensor(data)
-    assert tensor.dtype == torch.uint8 and tensor.tolist() == list(data)
+    assert tensor.dtype == torch.uint8
+    assert tensor.tolist() == list(data)
     assert tensor.data_ptr() == ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value  # not a copy
     assert bytes_tensor(b"").numel() == 0
     # the tensor alone keeps the bytes: dropped bytes, intact values
