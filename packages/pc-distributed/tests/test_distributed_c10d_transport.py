@@ -27,7 +27,7 @@ from pc_distributed._errors import RemoteTraceback
 from pc_distributed.rpc import _c10d_frames as frames
 from pc_distributed.rpc import _c10d_transport as transport_module
 from pc_distributed.rpc._c10d_frames import check_host_tensor
-from pc_distributed.rpc._c10d_state import KeptValues, Workers
+from pc_distributed.rpc._c10d_state import KeptValues, PendingCall, PendingCalls, Workers
 from pc_distributed.rpc._c10d_transport import C10dTransport
 
 _T: C10dTransport | None = None  # the transport of this process (set by each rank's body)
@@ -530,6 +530,31 @@ def test_a_worker_may_stop_its_own_pool() -> None:
         if thread.name.startswith("pc-c10d-test-pool"):
             thread.join(30)  # the one that stopped the pool ends once its callable returned
     assert [t.name for t in threading.enumerate() if t.name.startswith("pc-c10d-test-pool")] == []
+
+
+def test_pending_calls_give_deadlines_in_order_and_forget_calls_that_ended() -> None:
+    calls = PendingCalls()
+    made = {
+        i: PendingCall(peer=i % 2, call_id=i, deadline=float(d), timeout=1.0, what="call")
+        for i, d in [(1, 30), (2, 10), (3, 20), (4, 40)]
+    }
+    for call in made.values():
+        calls.add(call)
+    assert len(calls) == 4
+    assert calls.next_deadline() == 10.0
+    assert calls.pop(2) is made[2]
+    assert calls.pop(2) is None  # ended once: whoever popped it ends it
+    assert calls.next_deadline() == 20.0  # the ended call's deadline is skipped
+    assert calls.to(1) == [made[1], made[3]]
+    assert calls.due(25.0) == [made[3]]  # due calls stay in flight until popped
+    assert calls.get(3) is made[3]
+    assert calls.next_deadline() == 30.0
+    assert calls.pop(1) is made[1]
+    assert calls.due(100.0) == [made[4]]  # call 1 ended, its deadline is not due any more
+    assert calls.next_deadline() is None
+    assert calls.pop_all() == [made[3], made[4]]
+    assert len(calls) == 0
+    assert calls.next_deadline() is None
 
 
 def test_kept_values_honour_early_releases_failed_creations_and_lost_creators() -> None:

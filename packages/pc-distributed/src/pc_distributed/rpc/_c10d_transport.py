@@ -105,7 +105,6 @@ Trust: messages are pickles, so a process that can join the links (reach the sto
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import queue
@@ -140,7 +139,7 @@ from pc_distributed.rpc._c10d_frames import (
 )
 from pc_distributed.rpc._c10d_memory import Buffers
 from pc_distributed.rpc._c10d_ref import C10dRemoteRef
-from pc_distributed.rpc._c10d_state import STOP, KeptValues, Peer, PendingCall, Workers
+from pc_distributed.rpc._c10d_state import STOP, KeptValues, Peer, PendingCall, PendingCalls, Workers
 
 __all__ = ["C10dTransport", "default_handler"]
 
@@ -234,8 +233,7 @@ class C10dTransport:
             for r, link in sorted(links.items())
         }
         self._ids = itertools.count(1)
-        self._pending: dict[int, PendingCall] = {}
-        self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, call id)
+        self._pending = PendingCalls()
         self._housekeeper_due = now  # when the housekeeper wakes next, at the latest (it starts at once)
         self._kept = KeptValues()
         self._handlers_running = 0
@@ -401,8 +399,7 @@ class C10dTransport:
             peer.receiver_done.wait(max(0.0, deadline - time.monotonic()))
         with self._lock:
             self._state = "stopped"
-            leftovers = list(self._pending.values())
-            self._pending.clear()
+            leftovers = self._pending.pop_all()
             for call in leftovers:
                 self._orphan_locked(call)
             peers = list(self._peers.values())
@@ -476,8 +473,7 @@ class C10dTransport:
         call_id = next(self._ids)
         pending = PendingCall(to_rank, call_id, time.monotonic() + seconds, seconds, what)
         with self._lock:
-            self._pending[call_id] = pending
-            heapq.heappush(self._deadlines, (pending.deadline, call_id))
+            self._pending.add(pending)
             sooner = pending.deadline < self._housekeeper_due
             if sooner:
                 self._housekeeper_due = pending.deadline
@@ -495,7 +491,7 @@ class C10dTransport:
 
     def _expire(self, pending: PendingCall) -> None:
         with self._lock:
-            if self._pending.pop(pending.call_id, None) is None:
+            if self._pending.pop(pending.call_id) is None:
                 return  # answered or failed meanwhile, under this lock: its future is complete
             self._orphan_locked(pending)
             pending.fail(
@@ -755,7 +751,7 @@ class C10dTransport:
                 self._submit(src, kind, call_id, aux, message)
         elif kind in (VALUE, ERROR):
             with self._lock:
-                pending = self._pending.pop(call_id, None)
+                pending = self._pending.pop(call_id)
                 if pending is not None:
                     pending.sent = None  # the reply proves the request's bytes were all sent
                     pending.answer(kind, message)
@@ -765,9 +761,7 @@ class C10dTransport:
         elif kind == BYE and peer is not None:
             with self._lock:
                 peer.heard_bye = True
-                self._fail_calls_locked(
-                    [c for c in self._pending.values() if c.peer == src], "it has shut down", src
-                )
+                self._fail_calls_locked(self._pending.to(src), "it has shut down", src)
                 answer = not peer.said_bye and peer.lost is None
             if answer:
                 self._send(src, BYE, 0)
@@ -859,7 +853,7 @@ class C10dTransport:
 
     def _fail_calls_locked(self, calls: list[PendingCall], why: str, rank: int) -> None:
         for pending in calls:
-            self._pending.pop(pending.call_id, None)
+            self._pending.pop(pending.call_id)
             self._orphan_locked(pending)
             pending.fail(ConnectionError(f"{pending.what} to {self._who(rank)} failed: {why}"))
         if calls:
@@ -872,9 +866,7 @@ class C10dTransport:
             if peer is None or peer.lost is not None:
                 return
             peer.lost = why
-            self._fail_calls_locked(
-                [c for c in self._pending.values() if c.peer == rank], f"it is unreachable: {why}", rank
-            )
+            self._fail_calls_locked(self._pending.to(rank), f"it is unreachable: {why}", rank)
             lane = peer.lane
             self._idle.notify_all()
         self._kept.forget(rank)
@@ -897,7 +889,7 @@ class C10dTransport:
                         due = min(due, p.last_sent + self._keepalive)
                         if not p.heard_bye:
                             due = min(due, p.last_heard + self._link_timeout)
-                deadline = self._next_deadline_locked()
+                deadline = self._pending.next_deadline()
                 if deadline is not None:
                     due = min(due, deadline)
                 self._housekeeper_due = due
@@ -912,25 +904,9 @@ class C10dTransport:
             self._expire_due(time.monotonic())
             self._keep_alive(time.monotonic())
 
-    def _next_deadline_locked(self) -> float | None:
-        """The earliest deadline of a call still pending, or None (call under ``self._lock``).
-
-        A call's deadline stays in the heap when its reply comes; such entries are dropped here as they reach
-        its top, so the housekeeper never wakes for the deadline of a call that has ended (call ids are never
-        reused, so an entry whose id is not pending is one of those).
-        """
-        while self._deadlines and self._deadlines[0][1] not in self._pending:
-            heapq.heappop(self._deadlines)
-        return self._deadlines[0][0] if self._deadlines else None
-
     def _expire_due(self, now: float) -> None:
-        expired = []
         with self._lock:
-            while self._deadlines and self._deadlines[0][0] <= now:
-                _, call_id = heapq.heappop(self._deadlines)
-                pending = self._pending.get(call_id)
-                if pending is not None:
-                    expired.append(pending)
+            expired = self._pending.due(now)
         for pending in expired:
             self._expire(pending)
 
