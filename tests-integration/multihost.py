@@ -82,8 +82,22 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: alive
-        return True
+        pass
     return True
+
+
+def _namespace_pids(ns: str) -> list[int]:
+    """Every process running in namespace ``ns``."""
+    return [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
+
+
+def _signal_namespace(ns: str, sig: signal.Signals) -> list[int]:
+    """Send ``sig`` to every process of namespace ``ns``; return their pids."""
+    pids = _namespace_pids(ns)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    return pids
 
 
 def sweep_stale() -> list[str]:
@@ -99,9 +113,7 @@ def sweep_stale() -> list[str]:
         found = _OURS.match(name)
         if found is None or _alive(int(found.group(1))):
             continue
-        for pid in _ip("netns", "pids", name, check=False).stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+        _signal_namespace(name, signal.SIGKILL)
         _ip("netns", "delete", name, check=False)
         stale.append(name)
     return stale
@@ -185,8 +197,7 @@ class SimHosts:
 
     def pids(self, i: int) -> list[int]:
         """Every process running in host ``i``'s namespace."""
-        out = _ip("netns", "pids", self.hosts[i], check=False).stdout
-        return [int(p) for p in out.split()]
+        return _namespace_pids(self.hosts[i])
 
     def popen(
         self, i: int, argv: Sequence[str], env: dict[str, str], stdout: IO[bytes] | int | None = None
@@ -210,11 +221,7 @@ class SimHosts:
         _ip("-n", self.switch, "link", "set", f"p{i}", "up")
 
     def _signal(self, i: int, sig: signal.Signals) -> list[int]:
-        pids = self.pids(i)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        return pids
+        return _signal_namespace(self.hosts[i], sig)
 
     def kill_host(self, i: int) -> None:
         """SIGKILL every process of host ``i`` (a frozen one included) and wait until none is left."""

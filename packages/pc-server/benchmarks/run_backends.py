@@ -44,11 +44,10 @@ from pc_distributed import run_world
 # Seconds of a World's start, a call, a barrier, the primary's drain, and the c10d links' timeout; a world
 # whose backend fails costs about this much before it ends (full run, quick run).
 WAIT, QUICK_WAIT = 90.0, 40.0
-BACKENDS = {"c10d": "c10d", "tensorpipe": "TensorPipe TCP only"}
 # The worlds of a round: a name, its backend, the label of its rows. The control is TensorPipe measured again.
 WORLDS = (
-    ("c10d", "c10d", BACKENDS["c10d"]),
-    ("tensorpipe", "tensorpipe", BACKENDS["tensorpipe"]),
+    ("c10d", "c10d", "c10d"),
+    ("tensorpipe", "tensorpipe", "TensorPipe TCP only"),
     ("control", "tensorpipe", "TensorPipe TCP only, A/A control (a second world)"),
 )
 
