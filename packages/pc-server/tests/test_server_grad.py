@@ -11,6 +11,7 @@ from server_models import PlainSGD, ThreeLayer, backward_once
 
 from pc_server import (
     REDUCE_SLAVE,
+    GradServerConfig,
     PushPullGradServer,
     PushPullGradServerImpl,
     ReducerStoppedError,
@@ -316,3 +317,36 @@ def test_constructor_validation(hub3: Hub) -> None:
     prim.stop(timeout=WAIT, secondaries_timeout=0)  # idempotent
     with pytest.raises(ReducerStoppedError):
         prim.start()
+
+
+def test_a_server_from_a_built_config_runs_the_same_tree(
+    hub3: Hub, impls: list[PushPullGradServerImpl]
+) -> None:
+    model = ThreeLayer()
+    for name in ("0", "1"):
+        group = hub3.group(name)
+        config = GradServerConfig.build(
+            group, "server", secondary_reducers=["0", "1"], reduce_batch_size=1, flush_timeout=None
+        )
+        impl = PushPullGradServerImpl.from_config(group, config)  # type: ignore[arg-type]
+        assert impl.config is config
+        if name == "0":
+            impl.manage_model(model, PlainSGD(model.parameters()))
+        impl.start()
+        impls.append(impl)
+    client = hub3.group("2").get_paired("server").to_here()
+    pushed = ThreeLayer()
+    backward_once(pushed)
+    pushed.pp_version = 0
+    assert client.push(pushed) is True
+    assert impls[0].wait_for_version(1, WAIT), impls[0].stats()
+    assert impls[0].stats().steps == 1
+
+
+def test_a_config_is_refused_by_the_wrong_member_or_when_it_is_no_config(hub3: Hub) -> None:
+    config = GradServerConfig.build(hub3.group("1"), "server", secondary_reducers=["1"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="built for member '1', not for this process \\('2'\\)"):
+        PushPullGradServerImpl.from_config(hub3.group("2"), config)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="config must be a GradServerConfig, got dict"):
+        PushPullGradServerImpl.from_config(hub3.group("1"), {"server_name": "server"})  # type: ignore[arg-type]
+    assert "server" not in hub3.paired

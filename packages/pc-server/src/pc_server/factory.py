@@ -15,6 +15,7 @@ from torch import nn
 
 from pc_server._checks import positive_int
 from pc_server.grad.client import PushPullGradServer
+from pc_server.grad.config import GradServerConfig
 from pc_server.grad.server import STOP_TIMEOUT_S, PushPullGradServerImpl
 from pc_server.model_server import PushPullModelServer, PushPullModelServerImpl
 
@@ -150,8 +151,9 @@ def grad_server_helper(
         lr_scheduler_kwargs: Its keyword arguments.
         timeout: Seconds for the members' barrier, which waits for the primary to build the models and
             optimizers (``None``: the group's default).
-        server_kwargs: Extra keyword arguments for every :class:`~pc_server.PushPullGradServerImpl`, e.g.
-            ``{"reduce_method": "mean", "reduce_batch_size": 1, "max_staleness": 4}``.
+        server_kwargs: Settings of every server, as :meth:`~pc_server.GradServerConfig.build` takes them,
+            plus an ``o_server`` accessor, e.g. ``{"reduce_method": "mean", "reduce_batch_size": 1,
+            "max_staleness": 4}``.
 
     Returns:
         A :class:`ServerTuple` of :class:`~pc_server.PushPullGradServer` accessors (empty on non-members);
@@ -175,15 +177,14 @@ def grad_server_helper(
         return ServerTuple((), ())
     group = world.create_rpc_group(group_name, names)
     primary = names[0]
+    settings = dict(server_kwargs or {})
+    o_server = settings.pop("o_server", None)
     impls: list[PushPullGradServerImpl] = []
     for i, creator in enumerate(model_creators):
-        impl = PushPullGradServerImpl(
-            f"grad_server_{i}",
-            group,
-            primary_reducer=primary,
-            secondary_reducers=names,
-            **(server_kwargs or {}),
+        config = GradServerConfig.build(
+            group, f"grad_server_{i}", primary_reducer=primary, secondary_reducers=names, **settings
         )
+        impl = PushPullGradServerImpl.from_config(group, config, o_server)
         if group.get_cur_name() == primary:
             model = creator()
             opt = optimizer(model.parameters(), lr=learning_rate, **(optimizer_kwargs or {}))

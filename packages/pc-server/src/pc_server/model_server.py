@@ -21,11 +21,14 @@ from torch import nn
 
 from pc_server._checkpoint import check_state, header
 from pc_server._group import GroupLike, check_group, check_name
-from pc_server._state import check_model, get_pp_version, load_snapshot, model_snapshot, set_pp_version
-from pc_server._versioned import is_newer
-from pc_server.ordered_server import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
+from pc_server._state import (
+    check_model,
+    pull_model,
+    push_model,
+)
+from pc_server.ordered_server import OrderedServerBase, OrderedServerSimpleImpl
 
-__all__ = ["PushPullModelServer", "PushPullModelServerImpl", "pull_model", "push_model"]
+__all__ = ["PushPullModelServer", "PushPullModelServerImpl"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,78 +40,6 @@ def _check_o_server(o_server: object) -> OrderedServerBase:
     if not isinstance(o_server, OrderedServerBase):
         raise TypeError(f"o_server must be an OrderedServerBase accessor, got {type(o_server).__name__}")
     return o_server
-
-
-def push_model(o_server: OrderedServerBase, model_name: str, model: nn.Module, pull_on_fail: bool) -> bool:
-    """Compare-and-set push of ``model``'s state at ``pp_version + 1`` (see :meth:`PushPullModelServer.push`).
-
-    Args:
-        o_server: The ordered server accessor.
-        model_name: The key.
-        model: The model.
-        pull_on_fail: Load the newest state and adopt its version when refused.
-
-    Returns:
-        Whether the push was accepted.
-    """
-    pp = get_pp_version(model)
-    newest: tuple[Any, Any] | None
-    if isinstance(o_server, OrderedServerSimple):
-        # The RPC serialises the tensors (also to the serving process itself) and the server keeps what it
-        # received, so large tensors travel without a client-side copy: the server's copy is the only one.
-        state = model_snapshot(model, copy=False)
-        result = o_server.push_service_call(model_name, state, pp + 1, pp, want_newest=pull_on_fail)
-        accepted, newest = result.accepted, result.newest
-    else:  # an unknown server may keep the value as given: hand it a private copy
-        accepted = o_server.push(model_name, model_snapshot(model), pp + 1, pp)
-        newest = o_server.pull(model_name) if (not accepted and pull_on_fail) else None
-    if accepted:
-        set_pp_version(model, pp + 1)
-        return True
-    if newest is not None:
-        load_snapshot(model, newest[0])
-        set_pp_version(model, newest[1])
-    return False
-
-
-def pull_model(
-    o_server: OrderedServerBase, model_name: str, model: nn.Module, *, exact: bool = False
-) -> bool:
-    """Load the newest state of ``model_name`` into ``model`` if it is newer than ``model.pp_version``.
-
-    Args:
-        o_server: The ordered server accessor.
-        model_name: The key.
-        model: The model.
-        exact: Load the server's state whenever its version differs from ``model.pp_version``, also when the
-            model's is ahead (the gradient client: its gradients must be computed on the server's model).
-
-    Returns:
-        ``False`` if the server holds no model yet, else ``True``.
-    """
-    known = getattr(model, "pp_version", None)
-    if known is not None:
-        known = get_pp_version(model)
-    found: tuple[Any, Any] | None
-    if isinstance(o_server, OrderedServerSimple):
-        reply = o_server.pull_if_newer(model_name, known)
-        if reply is None:
-            return False
-        if reply.fresh:
-            found = (reply.value, reply.version)
-        elif exact and reply.version != known:  # the model is ahead: a second call brings the server's state
-            found = o_server.pull(model_name)
-        else:
-            return True
-    else:
-        found = o_server.pull(model_name)
-    if found is None:
-        return False
-    state, version = found
-    if is_newer(version, known) or (exact and version != known):
-        load_snapshot(model, state)
-        set_pp_version(model, version)
-    return True
 
 
 class PushPullModelServer:

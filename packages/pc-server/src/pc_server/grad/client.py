@@ -23,10 +23,9 @@ from torch import nn
 
 from pc_server._group import GroupLike, call_service, check_group, check_name
 from pc_server._packing import pack
-from pc_server._state import check_model, get_pp_version
+from pc_server._state import check_model, get_pp_version, pull_model
 from pc_server.grad._protocol import GradMessage, ledger_service_name, reducer_service_name
 from pc_server.grad.ledger import GradLedger
-from pc_server.model_server import pull_model
 from pc_server.ordered_server import OrderedServerBase
 
 __all__ = ["PushPullGradServer"]

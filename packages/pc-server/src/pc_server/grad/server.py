@@ -118,8 +118,8 @@ class PushPullGradServerImpl:
         flush_timeout: float | None = 1.0,
         max_staleness: int | None = None,
     ) -> None:
-        self.group = check_group(group)
-        self.config = cfg = GradServerConfig.build(
+        checked = check_group(group)
+        config = GradServerConfig.build(
             group,
             server_name,
             model_name,
@@ -132,6 +132,40 @@ class PushPullGradServerImpl:
             flush_timeout,
             max_staleness,
         )
+        self._set_up(checked, config, o_server)
+
+    @classmethod
+    def from_config(
+        cls, group: GroupLike, config: GradServerConfig, o_server: OrderedServerBase | None = None
+    ) -> PushPullGradServerImpl:
+        """The server of settings made by :meth:`GradServerConfig.build` (``__init__`` builds them itself).
+
+        Args:
+            group: The RpcGroup the configuration was built against.
+            config: The settings.
+            o_server: A custom ordered server accessor (see the class).
+
+        Raises:
+            TypeError: ``config`` is not a GradServerConfig, or ``group``/``o_server`` is bad.
+            ValueError: ``config`` was built for another member than this process's.
+        """
+        checked = check_group(group)
+        if not isinstance(config, GradServerConfig):
+            raise TypeError(f"config must be a GradServerConfig, got {type(config).__name__}")
+        if config.me != checked.get_cur_name():
+            raise ValueError(
+                f"config was built for member {config.me!r}, not for this process "
+                f"({checked.get_cur_name()!r})"
+            )
+        impl = cls.__new__(cls)
+        impl._set_up(checked, config, o_server)
+        return impl
+
+    def _set_up(self, group: GroupLike, cfg: GradServerConfig, o_server: OrderedServerBase | None) -> None:
+        """Build the roles of this process and register their services (shared by both constructors)."""
+        self.group = group
+        self.config = cfg
+        server_name = cfg.server_name
         o_server_impl: OrderedServerSimpleImpl | None = None
         if o_server is None:
             o_name = server_name + "_o_server"
