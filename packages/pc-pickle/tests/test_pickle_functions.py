@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pickle
 import subprocess
 import sys
@@ -91,7 +92,11 @@ def test_nn_module_with_lambda_attribute() -> None:
 
 @pytest.fixture
 def cdll_module(tmp_path: Path) -> Iterator[types.ModuleType]:
-    """A module outside site-packages that holds a ctypes.CDLL (dill would pickle it by value)."""
+    """A module imported from a directory on sys.path, outside site-packages, that holds a ctypes.CDLL.
+
+    dill's own rule pickles such a module by value (its file is outside ``sys.prefix`` and site-packages), and
+    the CDLL cannot be pickled; so does a source checkout on ``PYTHONPATH`` or an editable install.
+    """
     name = f"pickle_cdll_{tmp_path.name.replace('-', '_')}"
     (tmp_path / f"{name}.py").write_text("import ctypes\nLIB = ctypes.CDLL(None)\nVALUE = 41\n")
     sys.path.insert(0, str(tmp_path))
@@ -102,9 +107,84 @@ def cdll_module(tmp_path: Path) -> Iterator[types.ModuleType]:
         sys.modules.pop(name, None)
 
 
-@pytest.mark.filterwarnings("ignore::dill.PicklingWarning")
-def test_mark_static_module_twice(cdll_module: types.ModuleType) -> None:
+def test_importable_modules_outside_site_packages_go_by_reference(cdll_module: types.ModuleType) -> None:
     mod = cdll_module
+    assert "site-packages" not in str(mod.__file__)
+
+    def reader() -> int:
+        return int(mod.VALUE) + 1
+
+    referencing = lambda: mod.VALUE  # noqa: E731
+    for fn, expected in ((reader, 42), (referencing, 41)):
+        for recurse in (False, True):
+            loaded = _round_trip(fn, recurse=recurse)  # by value, the CDLL global refused to pickle
+            assert callable(loaded)
+            assert loaded() == expected
+            assert loaded.__closure__[0].cell_contents is mod  # type: ignore[attr-defined]
+
+
+_CHECKOUT_SENDER = textwrap.dedent(
+    """
+    import sys, pc_pickle
+    import checkout_mod as cm
+    cm.STATE["who"] = "sender"  # a change the loader must not receive: its own module is the one it uses
+    sys.stdout.buffer.write(pc_pickle.dumps([cm.__file__, pc_pickle.dumps(lambda: cm.whoami())]))
+    """
+)
+_CHECKOUT_LOADER = textwrap.dedent(
+    """
+    import sys, pc_pickle
+    import checkout_mod as cm
+    cm.STATE["who"] = "loader"
+    fn = pc_pickle.loads(sys.stdin.buffer.read())
+    sys.stdout.buffer.write(pc_pickle.dumps([fn(), cm.STATE["who"], fn.__globals__["cm"] is cm]))
+    """
+)
+
+
+def test_a_main_lambda_refers_to_a_checkout_module_by_name(tmp_path: Path) -> None:
+    # a module found on PYTHONPATH (a source checkout, an editable install): by value it dragged its globals
+    # along and, on load, wrote the sender's globals over the loader's own module
+    (tmp_path / "checkout_mod.py").write_text(
+        "import threading\nLOCK = threading.Lock()\nSTATE = {'who': 'import'}\n"
+        "def whoami():\n    return STATE['who']\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+
+    def python(code: str, stdin: bytes) -> bytes:
+        done = subprocess.run(
+            [sys.executable, "-c", code], input=stdin, env=env, capture_output=True, timeout=60, check=False
+        )
+        assert done.returncode == 0, done.stderr.decode()
+        return done.stdout
+
+    where, payload = pc_pickle.loads(python(_CHECKOUT_SENDER, b""))
+    assert Path(where).parent == tmp_path  # outside site-packages and sys.prefix
+    assert pc_pickle.loads(python(_CHECKOUT_LOADER, payload)) == ["loader", "loader", True]
+
+
+@pytest.fixture
+def specless_cdll_module(tmp_path: Path) -> Iterator[types.ModuleType]:
+    """A module made at run time (no ``__spec__``) from a file outside site-packages, holding a ctypes.CDLL.
+
+    The import system did not find it, so pc_pickle leaves it to dill, which pickles it by value.
+    """
+    name = f"pickle_specless_{tmp_path.name.replace('-', '_')}"
+    path = tmp_path / f"{name}.py"
+    path.write_text("import ctypes\nLIB = ctypes.CDLL(None)\nVALUE = 41\n")
+    mod = types.ModuleType(name)
+    mod.__file__ = str(path)
+    exec(compile(path.read_text(), str(path), "exec"), mod.__dict__)
+    sys.modules[name] = mod
+    try:
+        yield mod
+    finally:
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.filterwarnings("ignore::dill.PicklingWarning")
+def test_mark_static_module_twice(specless_cdll_module: types.ModuleType) -> None:
+    mod = specless_cdll_module
 
     def reader() -> int:
         return int(mod.VALUE) + 1
@@ -116,7 +196,7 @@ def test_mark_static_module_twice(cdll_module: types.ModuleType) -> None:
     loaded = _round_trip(reader)
     assert loaded() == 42  # type: ignore[operator]
     assert loaded.__closure__[0].cell_contents is mod  # type: ignore[attr-defined]
-    assert inspect.getfile(mod).endswith(".py")  # the module was not mutated
+    assert mod.__file__.endswith(".py")  # the module was not mutated
 
 
 def test_mark_static_module_rejects_non_modules() -> None:

@@ -100,6 +100,20 @@ def test_reduce_rejects_mismatched_names_and_methods() -> None:
         finalize({}, "sum")
 
 
+def test_reduce_refuses_gradients_of_another_shape_instead_of_broadcasting() -> None:
+    # (3,) + (1,) broadcasts in add_: the sum of unlike gradients, silently; each secondary checks its pushes
+    # against its own first push only, so the primary's merge of two secondaries is where they meet
+    with pytest.raises(
+        ValueError, match="gradient 'b' has shape \\(1,\\), the first push in the batch \\(3,\\)"
+    ):
+        reduce_pushes([(0, {"b": torch.ones(3)}), (0, {"b": torch.ones(1)})])
+    parts = [{0: Partial({"b": torch.ones(3)}, 1)}, {0: Partial({"b": torch.ones(1)}, 1)}]
+    with pytest.raises(ValueError, match="gradient 'b' has shape \\(1,\\)"):
+        merge_partials(parts)
+    with pytest.raises(ValueError, match="gradient 'b' has shape \\(1,\\)"):
+        finalize({0: Partial({"b": torch.ones(3)}, 1), 1: Partial({"b": torch.ones(1)}, 1)}, "sum")
+
+
 def test_reduce_does_not_modify_inputs() -> None:
     g = {"w": torch.ones(2)}
     groups = reduce_pushes([(0, g), (0, g)])

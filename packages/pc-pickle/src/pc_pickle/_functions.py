@@ -7,8 +7,11 @@ one (about 20x slower than C on plain data), so it sees only these objects, each
 payload that loads with :func:`_rebuild_dill`.
 
 The nested dill pickler shares the dump's :class:`~pc_pickle._tensors.StorageTable` (tensors inside a closure
-are copied or shared like all others, and alias the rest of the graph) and consults the static-module
-registry. It uses a private copy of dill's dispatch table, so nothing is registered in dill globally.
+are copied or shared like all others, and alias the rest of the graph). A module it meets (a global of a
+function carried with its globals) travels as its name whenever the loader can import it by that name
+(:func:`imported_by_name`), wherever its file lies, or when it was marked static; only the main script and
+modules made at run time are left to dill. It uses a private copy of dill's dispatch table, so nothing is
+registered in dill globally.
 
 Non-goal: object identity across the boundary. An object reached both from a closure and from the rest of the
 graph loads as two copies (tensors excepted: they share one storage).
@@ -31,7 +34,7 @@ from pc_pickle._resources import is_resource, reduce_resource
 from pc_pickle._static import is_static_module
 from pc_pickle._tensors import Reduced, StorageTable
 
-__all__ = ["DILL_ONLY_TYPES", "needs_by_value", "reduce_by_value"]
+__all__ = ["DILL_ONLY_TYPES", "imported_by_name", "needs_by_value", "reduce_by_value"]
 
 _MISSING = object()
 
@@ -87,11 +90,37 @@ def needs_by_value(obj: Any) -> bool:
     return target is not obj
 
 
-class _DillPickler(dill.Pickler):  # type: ignore[misc]  # dill ships no type information
-    """dill's pickler with the dump's tensor table and the static-module registry.
+def imported_by_name(module: types.ModuleType) -> bool:
+    """Whether ``module`` is pickled by reference: an imported module that a loader can import by its name.
 
-    ``reducer_override`` runs before dill's dispatch in the pure-Python pickler, so tensors, storages and
-    static modules never reach dill's own handlers.
+    That is a module the import system found (it has a ``__spec__``), registered in ``sys.modules`` under its
+    own ``__name__``, and not the main script (``__main__``, ``__mp_main__``): an installed package, and
+    equally one installed editable or found on ``PYTHONPATH`` or ``sys.path`` (a source checkout). dill's own
+    rule pickles every module whose file lies outside ``sys.prefix`` and ``site-packages`` by value, with a
+    copy of its ``__dict__``: that drags process-local state along (which then refuses to pickle) and, on
+    load, overwrites the loader's own module's globals with the sender's. The main script and modules made at
+    run time (``types.ModuleType(...)``, which have no spec) are left to dill.
+
+    Args:
+        module: A module object.
+
+    Returns:
+        True if ``module`` travels as its name and is imported by the loading process.
+    """
+    name = getattr(module, "__name__", None)
+    return (
+        isinstance(name, str)
+        and name not in _MAIN_SCRIPT
+        and getattr(module, "__spec__", None) is not None
+        and sys.modules.get(name) is module
+    )
+
+
+class _DillPickler(dill.Pickler):  # type: ignore[misc]  # dill ships no type information
+    """dill's pickler with the dump's tensor table, modules by name, and the static-module registry.
+
+    ``reducer_override`` runs before dill's dispatch in the pure-Python pickler, so tensors, storages,
+    importable and static modules never reach dill's own handlers.
     """
 
     # A private copy (same MetaCatchingDict type, so metaclasses still dispatch): registrations stay local.
@@ -108,7 +137,7 @@ class _DillPickler(dill.Pickler):  # type: ignore[misc]  # dill ships no type in
             return self._table.reduce_tensor(obj)
         if cls is torch.UntypedStorage:
             return self._table.reduce_untyped_storage(obj)
-        if cls is types.ModuleType and is_static_module(obj.__name__):
+        if cls is types.ModuleType and (is_static_module(obj.__name__) or imported_by_name(obj)):
             return (importlib.import_module, (obj.__name__,))
         if isinstance(obj, torch.TypedStorage):
             return self._table.reduce_typed_storage(obj)

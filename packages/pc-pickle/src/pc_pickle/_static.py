@@ -22,11 +22,13 @@ def mark_static_module(module: types.ModuleType) -> None:
     """Pickle ``module`` by name from now on, never by value.
 
     Some modules are static: they are stateless, or their state is process-local (a ``ctypes.CDLL`` loaded by
-    hand, pointers into a C library), and they are the same whether imported in process A or process B. dill
-    pickles a module that is not installed in ``site-packages`` by value, together with its ``__dict__``,
-    which fails or produces garbage for such modules. After this call, every reference to the module (for
-    example a global of a function pickled with ``recurse=True``) is written as its name and re-imported when
-    loaded, so the module must be importable in the loading process.
+    hand, pointers into a C library), and they are the same whether imported in process A or process B. A
+    module the import system found and registered under its own name already travels by name, wherever its
+    file lies; the main script and modules made at run time (no ``__spec__``) are left to dill, which pickles
+    one that has a file outside ``site-packages`` by value, together with its ``__dict__``: that fails or
+    produces garbage for such modules. After this call, every reference to the module (for example a global
+    of a function pickled with ``recurse=True``) is written as its name and imported when loaded, so the
+    module must be importable (or already in ``sys.modules``) in the loading process.
 
     The call is idempotent and does not modify the module (``module.__file__`` stays).
 

@@ -144,6 +144,8 @@ class GradReducer:
                 self.where[id(p)] = (bi, pi)
         self.next_launch = 0
         self.open = False
+        #: How many rounds have been opened so far (a round opens with its first gradient).
+        self.rounds = 0
 
     def params(self) -> Iterator[nn.Parameter]:
         """Every parameter handled by the reducer, in bucket order."""
@@ -166,8 +168,18 @@ class GradReducer:
                 "accumulate gradients"
             )
         self._pack(bucket, pi, p)
-        self.open = True
+        self.open_round()
         self.launch_ready()
+
+    def open_round(self) -> None:
+        """Open a round if none is open; :meth:`launch_all` then packs every parameter's ``p.grad`` or zeros.
+
+        A rank whose backward reached no parameter opens its round this way, so that it still issues the
+        round's collectives that the other ranks issue.
+        """
+        if not self.open:
+            self.open = True
+            self.rounds += 1
 
     def is_marked(self, p: nn.Parameter) -> bool:
         """Whether ``p`` already delivered its gradient (or its absence) this round."""

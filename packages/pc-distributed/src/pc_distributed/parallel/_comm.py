@@ -9,7 +9,8 @@ private ``torch._utils`` helpers); anything private or version-specific belongs 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+import struct
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import nn
 __all__ = [
     "CommLike",
     "broadcast_tensors",
+    "check_agreement",
     "check_replicas",
     "group_global_ranks",
     "group_size",
@@ -151,52 +153,135 @@ def broadcast_tensors(
         _unflatten_into(flat, same_kind)
 
 
+def _digest(text: str) -> int:
+    """A process-independent 62-bit hash of ``text`` (Python's ``hash`` of a str differs per process)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 62) - 1)
+
+
 def _signature_hash(module: nn.Module) -> int:
     """A process-independent hash of the names, shapes and dtypes of a module's parameters and buffers."""
     parts = [f"p:{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in module.named_parameters()]
     parts += [f"b:{n}:{tuple(b.shape)}:{b.dtype}" for n, b in module.named_buffers()]
-    digest = hashlib.sha256("\n".join(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
+    return _digest("\n".join(parts))
+
+
+def _encode(value: object) -> int:
+    """``value`` as one int64: a bool or int as itself, a float by its bits, anything else by a repr hash.
+
+    The same value gives the same code in every process, so equal codes mean equal settings.
+    """
+    if isinstance(value, (bool, int)) and -(1 << 63) <= int(value) < (1 << 63):
+        return int(value)
+    if isinstance(value, float):
+        return int(struct.unpack("<q", struct.pack("<d", value))[0])
+    return _digest(f"{type(value).__qualname__}:{value!r}")
+
+
+def _decode(code: int, like: object) -> object:
+    """The value another rank encoded as ``code``, read as the type of this rank's ``like`` (None: a hash)."""
+    if isinstance(like, bool):
+        return bool(code)
+    if isinstance(like, int) and -(1 << 63) <= like < (1 << 63):
+        return code
+    if isinstance(like, float):
+        return float(struct.unpack("<d", struct.pack("<q", code))[0])
+    return None
+
+
+def _gather_rows(row: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
+    """Every group rank's ``row`` (same length on every rank), indexed by group rank: one all_gather."""
+    mine = torch.tensor(list(row), dtype=torch.int64)
+    size = group_size(group)
+    if size == 1:
+        return [mine.tolist()]
+    gathered = [torch.zeros(len(row), dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(gathered, mine.to(device), group=group)
+    return [g.cpu().tolist() for g in gathered]
+
+
+def _disagreement(what: str, settings: Mapping[str, object], rows: Sequence[Sequence[int]]) -> str | None:
+    """The message naming the first setting whose codes differ across ``rows`` (None if all agree)."""
+    for column, (name, value) in enumerate(settings.items()):
+        codes = [row[column] for row in rows]
+        if len(set(codes)) == 1:
+            continue
+        if _decode(codes[0], value) is None:
+            differ = [r for r, code in enumerate(codes) if code != codes[0]]
+            found = f"differs on group rank(s) {differ} from group rank 0"
+        else:
+            found = f"differs across ranks: {[_decode(code, value) for code in codes]} by group rank"
+        return f"{what}: {name} {found}; it must be the same on every rank"
+    return None
+
+
+def check_agreement(
+    settings: Mapping[str, object], group: dist.ProcessGroup, device: torch.device, what: str
+) -> None:
+    """Check collectively that every rank holds the same ``settings``; else a ``ValueError`` on every rank.
+
+    The settings are what decides which collectives a rank issues and what each of them carries (a schedule,
+    a chunk size, a dtype, a bucket plan). One all_gather of one int64 per setting: bools, ints and floats
+    travel as themselves (the error shows every rank's value), anything else as a hash of its ``repr``.
+
+    Args:
+        settings: Name -> value, the same names in the same order on every rank.
+        group: The process group.
+        device: The device the group's backend communicates on.
+        what: Who checks (the start of the error message).
+
+    Raises:
+        ValueError: On every rank, naming the first setting that differs.
+    """
+    rows = _gather_rows([_encode(v) for v in settings.values()], group, device)
+    message = _disagreement(what, settings, rows)
+    if message is not None:
+        raise ValueError(message)
 
 
 def check_replicas(
-    module: nn.Module, group: dist.ProcessGroup, device: torch.device, local_error: Exception | None = None
+    module: nn.Module,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    local_error: Exception | None = None,
+    settings: Mapping[str, object] | None = None,
+    what: str = "DataParallel",
 ) -> None:
     """Check collectively that every rank holds the same model structure and passed its local checks.
 
-    Every member exchanges a hash of its parameter and buffer names/shapes/dtypes plus a flag saying whether
-    its own argument checks failed. All ranks therefore raise together (instead of one raising and the others
-    hanging in the next collective).
+    Every member exchanges a hash of its parameter and buffer names/shapes/dtypes, a flag saying whether
+    its own argument checks failed, and its ``settings`` (see :func:`check_agreement`), in one all_gather. All
+    ranks therefore raise together (instead of one raising and the others hanging in the next collective, or
+    aborting in it when the tensors they send differ in size).
 
     Args:
         module: The local replica.
         group: The process group.
         device: The device the group's backend communicates on.
         local_error: The error this rank found in its own arguments, if any; it is raised on this rank.
+        settings: Name -> value of what else must agree (a mode, a bucket plan), the same names on every rank.
+        what: Who checks (the start of a settings error).
 
     Raises:
         Exception: ``local_error`` on the rank that found it.
         ValueError: On the other ranks when some rank failed its checks, and on every rank when the models
-            differ.
+            or the settings differ.
     """
-    size = group_size(group)
-    mine = torch.tensor([_signature_hash(module), 1 if local_error is not None else 0], dtype=torch.int64)
-    if size > 1:
-        gathered = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(size)]
-        dist.all_gather(gathered, mine.to(device), group=group)
-        table = [g.cpu() for g in gathered]
-    else:
-        table = [mine]
+    settings = settings or {}
+    row = [_signature_hash(module), 1 if local_error is not None else 0, *map(_encode, settings.values())]
+    table = _gather_rows(row, group, device)
     if local_error is not None:
         raise local_error
-    failed = [r for r, row in enumerate(table) if int(row[1]) != 0]
+    failed = [r for r, got in enumerate(table) if int(got[1]) != 0]
     if failed:
         raise ValueError(
             f"data-parallel construction failed on group rank(s) {failed}; see the error on those ranks"
         )
-    differ = [r for r, row in enumerate(table) if int(row[0]) != int(table[0][0])]
+    differ = [r for r, got in enumerate(table) if int(got[0]) != int(table[0][0])]
     if differ:
         raise ValueError(
             f"the model on group rank(s) {differ} differs from group rank 0 in parameter/buffer names, "
             "shapes or dtypes; every rank must build the same model"
         )
+    message = _disagreement(what, settings, [got[2:] for got in table])
+    if message is not None:
+        raise ValueError(message)

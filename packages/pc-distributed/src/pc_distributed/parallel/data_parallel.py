@@ -2,7 +2,11 @@
 
 Construction (collective on every member of the group)::
 
-    check_replicas ──► broadcast parameters and buffers from group rank 0 ──► buckets ──► hooks
+    mode and bucket plan ──► check_replicas ──► broadcast parameters and buffers from group rank 0 ──► hooks
+
+The check compares, in one all_gather, the model's structure, the mode after any fallback, the bucket plan
+and ``broadcast_buffers``: what decides which collectives a rank issues and how many bytes each carries. A
+difference is a ``ValueError`` on every rank, not a gloo abort or silently summed unlike tensors.
 
 Blocking mode: gradients are averaged in fixed-order buckets while ``backward()`` runs; when the last bucket
 arrives the averages are written into ``p.grad``, so ``optimizer.step()`` updates every replica identically.
@@ -27,7 +31,7 @@ from torch import nn
 
 from pc_distributed._checks import bool_flag, optional_timeout, positive_number
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed.parallel._buckets import GradReducer, make_buckets
+from pc_distributed.parallel._buckets import Bucket, GradReducer, make_buckets
 from pc_distributed.parallel._comm import (
     CommLike,
     broadcast_tensors,
@@ -99,6 +103,25 @@ def _blocking_reason(
     return None
 
 
+def _layer_groups(module: nn.Module) -> list[list[nn.Parameter]]:
+    """Non-blocking mode's bucket groups: one per parameter-owning module, in reverse module order.
+
+    A tied parameter goes to its first owner.
+    """
+    seen: set[int] = set()
+    per_module: list[list[nn.Parameter]] = []
+    for sub in module.modules():
+        own = [p for p in sub.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        per_module.append(own)
+    return [own for own in reversed(per_module) if own]
+
+
+def _plan(buckets: Sequence[Bucket]) -> str:
+    """What the buckets' all-reduces carry, in launch order: each bucket's parameters' shapes and dtype."""
+    return repr([(str(b.params[0].dtype), [tuple(p.shape) for p in b.params]) for b in buckets])
+
+
 class DataParallel(nn.Module):
     """Data parallelism across the processes of a torch.distributed group.
 
@@ -165,13 +188,24 @@ class DataParallel(nn.Module):
         trainable = [p for p in module.parameters() if p.requires_grad]
         tensors = [*module.parameters(), *module.buffers()]
         device = tensors[0].device if tensors else torch.device("cpu")
-        check_replicas(module, group, device, _optimizer_error(optimizers, trainable))
-        broadcast_tensors(tensors, group)
-
         reason = None if blocking_parameter_updates else _blocking_reason(optimizers, trainable)
+        blocking = blocking_parameter_updates or reason is not None
+        if blocking:
+            cap = int(bucket_cap_mb * 2**20)
+            # A small first bucket (as DDP's) starts the first reduction early, overlapping most of backward.
+            first = min(cap, int(first_bucket_cap_mb * 2**20))
+            buckets = make_buckets([list(reversed(trainable))], cap, first)
+        else:
+            buckets = make_buckets(_layer_groups(module), None)
+        settings = {
+            "the mode (blocking_parameter_updates after any fallback to blocking)": blocking,
+            "broadcast_buffers": bool(broadcast_buffers),
+            "the gradient bucket plan (bucket_cap_mb, first_bucket_cap_mb)": _plan(buckets),
+        }
+        check_replicas(module, group, device, _optimizer_error(optimizers, trainable), settings)
+        broadcast_tensors(tensors, group)
         if reason is not None:
             warnings.warn(f"DataParallel falls back to blocking parameter updates: {reason}", stacklevel=2)
-        blocking = blocking_parameter_updates or reason is not None
 
         self.module = module
         self._trainable = trainable
@@ -184,20 +218,16 @@ class DataParallel(nn.Module):
         self._sync = True
         self._module_buckets: dict[int, list[int]] = {}
         self._pre_handles: list[Any] = []
+        self._rounds_at_step = 0  # the reducer's round count at the last optimizer step
         for opt in optimizers:
             opt.blocking_parameter_updates = blocking
             opt.update_next = False
             opt._owner = self
 
         wait = to_timedelta(timeout)
-        if blocking:
-            cap = int(bucket_cap_mb * 2**20)
-            # A small first bucket (as DDP's) starts the first reduction early, overlapping most of backward.
-            first = min(cap, int(first_bucket_cap_mb * 2**20))
-            buckets = make_buckets([list(reversed(trainable))], cap, first)
-            self._reducer = GradReducer(buckets, group, wait, take_grads=False)
-        else:
-            self._reducer = self._build_layer_buckets(module, group, wait)
+        self._reducer = GradReducer(buckets, group, wait, take_grads=not blocking)
+        if not blocking:
+            self._wait_before_forward(module)
         # When backward has computed every gradient it will compute, parameters outside its graph are marked
         # as "no gradient this round", so their buckets complete and blocking mode finishes inside backward.
         self._multi_handle = torch.autograd.graph.register_multi_grad_hook(trainable, self._graph_done_hook)
@@ -212,17 +242,9 @@ class DataParallel(nn.Module):
             "blocking" if blocking else "non-blocking",
         )
 
-    def _build_layer_buckets(self, module: nn.Module, group: Any, wait: Any) -> GradReducer:
-        """One bucket per parameter-owning module (tied parameters go to their first owner), reverse order."""
-        owner_of: dict[int, int] = {}
-        per_module: list[tuple[nn.Module, list[nn.Parameter]]] = []
-        for sub in module.modules():
-            own = [p for p in sub.parameters(recurse=False) if p.requires_grad and id(p) not in owner_of]
-            for p in own:
-                owner_of[id(p)] = len(per_module)
-            per_module.append((sub, own))
-        buckets = make_buckets([own for _, own in reversed(per_module) if own], None)
-        reducer = GradReducer(buckets, group, wait, take_grads=True)
+    def _wait_before_forward(self, module: nn.Module) -> None:
+        """Non-blocking mode: each module's forward first waits for the buckets of its parameters."""
+        reducer = self._reducer
         # A module waits for every bucket holding a parameter registered on it (its tied ones included).
         for sub in module.modules():
             indices = sorted(
@@ -231,7 +253,6 @@ class DataParallel(nn.Module):
             if indices and id(sub) not in self._module_buckets:
                 self._module_buckets[id(sub)] = indices
                 self._pre_handles.append(sub.register_forward_pre_hook(self._pre_forward_hook))
-        return reducer
 
     # ----------------------------------------------------------------------------------------------- hooks
     def _grad_hook(self, p: torch.Tensor) -> None:
@@ -292,6 +313,12 @@ class DataParallel(nn.Module):
         self._optimizers[0].update_next = False
 
     def _before_optimizer_step(self) -> None:
+        if self._sync and not self._reducer.open and self._reducer.rounds == self._rounds_at_step:
+            # No backward of this rank reached a parameter since the last step (a loss that does not depend
+            # on the model, a skipped backward), while the other ranks' did and wait for this rank in their
+            # round: take part in it with what this rank has (its gradients, or none: zeros).
+            self._reducer.open_round()
+        self._rounds_at_step = self._reducer.rounds
         if self.blocking_parameter_updates:
             self._finish_blocking_round()
         else:

@@ -62,7 +62,13 @@ def _add_into(
             f"gradient names differ from the first push in the batch: missing {missing}, extra {extra}"
         )
     for name, grad in grads.items():
-        acc[name].add_(grad.to(device) if device is not None else grad)
+        into = acc[name]
+        if grad.shape != into.shape:  # add_ would broadcast one into the other and sum unlike gradients
+            raise ValueError(
+                f"gradient {name!r} has shape {tuple(grad.shape)}, the first push in the batch "
+                f"{tuple(into.shape)}: gradients of different models cannot be summed"
+            )
+        into.add_(grad.to(device) if device is not None else grad)
 
 
 def _start(grads: Mapping[str, torch.Tensor], device: torch.device | None) -> dict[str, torch.Tensor]:
@@ -82,7 +88,7 @@ def reduce_pushes(
         Version to :class:`Partial`, versions in first-seen order.
 
     Raises:
-        ValueError: Two pushes of the same version carry different parameter names.
+        ValueError: Two pushes of the same version carry different parameter names or shapes.
     """
     dev = torch.device(device) if device is not None else None
     groups: dict[int, Partial] = {}
@@ -107,6 +113,10 @@ def merge_partials(
 
     Returns:
         Version to merged :class:`Partial`.
+
+    Raises:
+        ValueError: Two partials of the same version carry different parameter names or shapes (secondaries
+            that took pushes of different models).
     """
     dev = torch.device(device) if device is not None else None
     merged: dict[int, Partial] = {}

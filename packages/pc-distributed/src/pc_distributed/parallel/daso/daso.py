@@ -14,6 +14,12 @@ One step, seen from one rank (``b`` is the batch index within the epoch)::
 ``downcast(p - p_ref)``, where ``p_ref`` are the parameters of the last blocking average (equal on every
 rank); the sum is restored exactly in float32 as ``Σ delta + P·p_ref``, so bf16 only rounds the drift, not the
 weights.
+
+Which collectives a rank issues, and what each carries, follows from its settings and its schedule. They are
+compared across ranks, so that a difference is a ``ValueError`` on every rank rather than a gloo abort, a hang
+or a merge of unlike exchanges: the settings once at construction, and the schedule of each epoch (its
+position, ``last_batch``, the three skips and the averaged tensors' shapes) at its first :meth:`DASO.step`,
+before its first exchange: one all_gather of a few integers per epoch.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pc_distributed._checks import bool_flag, int_at_least, optional_timeout
 from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed.parallel._comm import (
     CommLike,
+    check_agreement,
     group_size,
     resolve_group,
     to_timedelta,
@@ -163,6 +170,23 @@ class DASO:
         self.timeout = to_timedelta(timeout)
         self.device = _optimizer_device(local_optimizer)
         self.topology: DasoTopology = build_topology(size, self.device, self.timeout)
+        self._group = group
+        check_agreement(
+            {
+                "total_epochs": total_epochs,
+                "warmup_epochs": warmup_epochs,
+                "cooldown_epochs": cooldown_epochs,
+                "stability_level": float(stability_level),
+                "max_global_skips": max_global_skips,
+                "sending_chunk_size": sending_chunk_size,
+                "downcast_type": str(downcast_type),
+                "skip_reduction_factor": skip_reduction_factor,
+                "local_skip_factor": local_skip_factor,
+            },
+            group,
+            self.device,
+            "DASO",
+        )
         #: Index of the final batch of an epoch (``len(loader) - 1``); must be set before :meth:`step`.
         self.last_batch: int | None = None
         self._one_thread = OneThreadAtATime("DASO")
@@ -277,6 +301,8 @@ class DASO:
     @torch.no_grad()
     def _sync_after_step(self) -> None:
         b = self.current_batch
+        if b == 0:
+            self._check_epoch()
         while self._pending and self._pending[0].due <= b:
             self._complete(self._pending.popleft())
         if b >= int(self.last_batch or 0):
@@ -296,6 +322,24 @@ class DASO:
             else:
                 self._pending.append(exchange)
         self.current_batch += 1
+
+    def _check_epoch(self) -> None:
+        """Before an epoch's first exchange: check that every rank follows the same schedule (collective)."""
+        check_agreement(
+            {
+                "the epoch": self.epoch,
+                "last_batch": int(self.last_batch or 0),
+                "the global skip": self.global_skip,
+                "the local skip": self.local_skip,
+                "batches_to_wait": self.batches_to_wait,
+                "the averaged tensors (parameters, floating-point buffers)": [
+                    (tuple(t.shape), str(t.dtype)) for t in self._tensors
+                ],
+            },
+            self._group,
+            self.device,
+            "DASO",
+        )
 
     def _flat(self) -> torch.Tensor:
         return flatten(self._tensors)
