@@ -81,6 +81,17 @@ ISSUE_TARGETS: tuple[IssueTarget, ...] = (
         )
         for shape in ("32x64x28x28", "64x256x14x14")
     ),
+    # Issue 45 ("On the GPU, as fast as the hardware allows"): the launch budget of the fused CUDA path,
+    # counted on CPU through the kernels' stand-ins (packages/pc-sync/benchmarks/op_count.py).
+    IssueTarget(
+        "pc-sync",
+        "(issue 45) ops one synchronized layer issues per replica per training step on the fused CUDA path "
+        "(about 10; the composite path: about 38 more than plain batch norm)",
+        "(issue 45) fused path: ops per replica per training step, 2 replicas",
+        "<=",
+        10.0,
+        "ops",
+    ),
     IssueTarget(
         "pc-replicate",
         "fixed cost per forward, 4 CPU replicas (the persistent replica threads; the design's 1 ms)",

@@ -13,7 +13,10 @@ Measured side by side in one run (medians; ratios against the baseline row of ea
    plain BN step on the same replicas, the replica apply alone (on threads kept between calls, as
    ReplicationCallbackDataParallel does), and starting + joining as many threads;
 4. the non-parallel and eval paths against ``nn.BatchNorm2d`` (CPU time of the calling thread);
-5. bytes saved for backward, relative to the input's size.
+5. bytes saved for backward, relative to the input's size;
+6. the launch budget (``op_count.py``): the ops one synchronized layer issues per replica per training step,
+   on the composite CPU path and on the CUDA path's fused kernels (their pure-torch stand-ins, each kernel
+   call one op), beside plain ``nn.BatchNorm2d`` on the same replicas.
 
 torch's intra-op threads: ``torch.set_num_threads(1)`` for every variant alike (the replica threads of
 pc_replicate re-apply the caller's setting), so each replica runs its ops on one core and the two sides do the
@@ -40,6 +43,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benchmarks"))
 from benchlib import Report, bench_args, interleaved_min, median_time
+from op_count import count_layer_ops
 
 from pc_replicate import ReplicationCallbackDataParallel
 from pc_replicate._apply import apply_replicas
@@ -241,6 +245,37 @@ def _measure_fixed_costs(report: Report, repeat: int, stack: contextlib.ExitStac
     )
 
 
+def _launch_budget(report: Report) -> None:
+    """Ops per replica per training step of one layer (see ``op_count.py``): a count, not a timing."""
+    per_replica: dict[int, dict[str, float]] = {}
+    for n in (2, 4):
+        case = f"ops per replica per training step, {n} replicas"
+        counts = {
+            kind: sum(count_layer_ops(kind, n).values()) / n for kind in ("plain", "composite", "fused")
+        }
+        per_replica[n] = counts
+        report.row(case, "BatchNorm2d (no sync)", counts["plain"], "ops", baseline=True)
+        report.row(case, "SyncBN2d, composite path (CPU)", counts["composite"], "ops")
+        report.row(case, "SyncBN2d, fused path (CUDA's, stand-ins)", counts["fused"], "ops")
+    fused = per_replica[2]["fused"]
+    report.target(
+        "(issue 45) fused path: ops per replica per training step, 2 replicas",
+        fused,
+        "<=",
+        10.0,
+        "ops",
+        note=""
+        if fused <= 10.0
+        else "see the op counts per name: python packages/pc-sync/benchmarks/op_count.py",
+    )
+    report.note(
+        "launch budget: ops dispatched by one layer's training step on CPU thread replicas (forward in the "
+        "replica threads, backward from the replicas' outputs to their inputs), views and bare allocations "
+        "not counted; the fused path runs on the stand-ins of torch's five batch-norm kernels, each call one "
+        "op; the count is the same on any machine"
+    )
+
+
 def main() -> None:
     args = bench_args("pc-sync")
     report = Report("pc-sync")
@@ -369,6 +404,7 @@ def main() -> None:
         report.target(f"(design) saved for backward / input, {label}", saved_ours, "<=", 2.0)
 
     _fixed_costs(report, repeat=5 if args.quick else 15)
+    _launch_budget(report)
     report.note(
         "BN rows and the issue's SyncBN target: process CPU time of all threads (min of interleaved rounds), "
         "because 2 cores shared with other jobs make wall times of 2-4 threads swing 2x between rounds; wall "

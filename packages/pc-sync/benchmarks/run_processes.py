@@ -7,7 +7,11 @@ round by round in alternating order (``interleaved_samples``), every rank runnin
 2. ``pc_sync.SyncBatchNorm`` (``convert_sync_batchnorm``): one ``all_gather`` in forward and one
    ``all_reduce`` in backward per layer, one autograd node per layer with a hand-written backward;
 3. a naive synchronized batch norm written here: ``all_reduce`` of per-channel sums and sums of squares
-   through a differentiable ``all_reduce`` (its backward all-reduces the gradient), the rest composite ops.
+   through a differentiable ``all_reduce`` (its backward all-reduces the gradient), the rest composite ops;
+
+and, in a world of its own, the ops one ``SyncBatchNorm`` layer issues per process per training step without
+replicas (``op_count.count_process_ops``): the composite CPU path and the CUDA path's fused kernels (their
+stand-ins), the two collectives included.
 
 Each rank runs one intra-op thread. Every variant first runs three warm-up steps (DDP rebuilds its gradient
 buckets after the first). Times are wall time per step on rank 0, the median over interleaved rounds of two
@@ -34,6 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benchmarks"))
 from benchlib import Report, bench_args, interleaved_samples
+from op_count import count_process_ops
 
 import pc_distributed
 import pc_sync
@@ -158,6 +163,19 @@ def main() -> None:
             f"{os.cpu_count()} CPUs a rank waits for its peer to be scheduled again (the rounds' minima: "
             f"{fastest['pc'] / fastest['plain']:.3f}x)"
         ),
+    )
+    case = f"ops per process per training step, {RANKS} ranks, no replicas"
+    for kind, label in (("composite", "composite path (CPU)"), ("fused", "fused path (CUDA's, stand-ins)")):
+        ops = pc_distributed.run_world(
+            count_process_ops, RANKS, args=(kind,), start_method="fork", init_rpc=False, timeout=300
+        )[0]
+        report.row(
+            case, f"SyncBatchNorm, {label}", float(sum(ops.values())), "ops", baseline=kind == "composite"
+        )
+    report.note(
+        "ops per process: one layer's training step on rank 0, each collective one op, views and bare "
+        "allocations not counted, the fused kernels' stand-ins one op per call; on CUDA the forward also "
+        "copies the gathered headers to the host once (a copy the CPU run does not dispatch)"
     )
     report.note(
         f"process-group SyncBatchNorm rows: wall time per step on rank 0, median of {repeat} interleaved "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ from torch import nn
 
 import pc_sync
 from pc_replicate import ReplicationCallbackDataParallel
+from pc_sync._torch_bn import FUSED_OPS, ReferenceKernels
 from pc_sync.batchnorm import _TORCH_BN_TAKES_BIAS
 
 SYNC_OF = {
@@ -150,3 +152,22 @@ def assert_close(
         f"{msg}: {int(bad.sum())}/{diff.numel()} elements differ, max abs diff {diff.max().item():.3g} "
         f"(rtol={rtol}, atol={atol})"
     )
+
+
+class CountingKernels(ReferenceKernels):
+    """The stand-in kernels, counting their calls by name (so a test knows the fused path ran)."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    def __getattribute__(self, name: str) -> Any:
+        attr = super().__getattribute__(name)
+        if name in FUSED_OPS:
+            calls = super().__getattribute__("calls")
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                calls[name] += 1
+                return attr(*args, **kwargs)
+
+            return counted
+        return attr

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -78,29 +78,42 @@ def compare_layer(
     seed: int,
     steps: int = 2,
     channels_last: bool = False,
-    replicas: int = 0,
+    replicas: int | Sequence[int] = 0,
     device: str = "cpu",
+    fused: bool | Sequence[bool] = False,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """``steps`` training steps and one eval step; the largest difference to the full-batch reference.
 
     ``shape`` is the global batch's; rank ``r`` gets rows ``sizes[r]`` of it. ``replicas > 0`` runs the layer
-    on that many CPU thread replicas inside the rank. Parameter gradients are summed over the ranks (what DDP
-    does, up to its averaging) before the comparison.
+    under ``ReplicationCallbackDataParallel`` over that many CPU thread replicas inside the rank (fewer when
+    the rank has fewer rows: torch's chunking); a sequence gives each rank its own. Parameter gradients are
+    summed over the ranks (what DDP does, up to its averaging) before the comparison. ``fused`` (per rank, or
+    for all) runs the layer on the fused kernels' stand-ins (``pc_sync._torch_bn``) on any device; the result
+    then counts their calls under ``"kernel_calls"``.
     """
+    wrapped = replicas if isinstance(replicas, int) else replicas[rank]
+    kernels = None
+    if fused if isinstance(fused, bool) else fused[rank]:
+        from sync_testutils import CountingKernels
+
+        kernels = CountingKernels()
     gen = torch.Generator().manual_seed(seed)
     channels = shape[1]
     ref = REF_OF_DIM[len(shape)](channels, dtype=torch.float64, **kwargs)
     _randomize(ref, gen)
     ours = pc_sync.SyncBatchNorm(channels, dtype=torch.float64, **kwargs)
     ours.load_state_dict(ref.state_dict())
+    ours._bn_kernels = kernels
     ref.to(device)
     ours.to(device)
     model: nn.Module = ours
-    if replicas:
+    if wrapped:
         from pc_replicate import ReplicationCallbackDataParallel
 
-        model = ReplicationCallbackDataParallel(ours, device_ids=["cpu"] * replicas)
+        index = torch.device(device).index
+        ids: list[Any] = ["cpu"] * wrapped if device == "cpu" else [index or 0] * wrapped
+        model = ReplicationCallbackDataParallel(ours, device_ids=ids)
     lo, hi = _bounds(sizes, rank)
     worst: dict[str, float] = {}
     collectives: list[dict[str, dict[str, int]]] = []
@@ -149,7 +162,8 @@ def compare_layer(
         if channels_last:
             fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
             note("channels_last_kept", 0.0 if y_ours.is_contiguous(memory_format=fmt) else 1.0)
-    return {"diff": worst, "collectives": collectives}
+    kernel_calls = dict(kernels.calls) if kernels is not None else {}
+    return {"diff": worst, "collectives": collectives, "kernel_calls": kernel_calls}
 
 
 def grid_world(rank: int) -> dict[str, Any]:
@@ -157,7 +171,7 @@ def grid_world(rank: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     sizes = [3, 0, 5, 2]
     n = sum(sizes)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"widening": _widening(rank)}  # first: the group's exchanges are as wide as 9 after
     cases: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
         "2d": ((n, 4), {}),
         "3d": ((n, 3, 5), {"momentum": None}),
@@ -178,6 +192,21 @@ def grid_world(rank: int) -> dict[str, Any]:
     out["crossed_backward"] = _crossed_backward(rank)
     out["after_crossed"] = compare_layer(rank, sizes, (n, 3, 2), seed=12)
     return out
+
+
+def _widening(rank: int) -> list[dict[str, int]]:
+    """Forward collectives of layer calls of 5, 5, 3, 9, 9 and 4 channels on a fresh group: a call wider than
+    any before sends its header, then (every rank agreeing) its statistics in a packet of the new width.
+    """
+    seen = []
+    for channels in (5, 5, 3, 9, 9, 4):
+        bn = pc_sync.SyncBatchNorm(channels)
+        x = torch.randn(rank + 2, channels, 3, requires_grad=True)
+        with count_collectives() as counts:
+            y = bn(x)
+        y.sum().backward()
+        seen.append(dict(counts))
+    return seen
 
 
 def _crossed_backward(rank: int) -> str:
@@ -427,6 +456,25 @@ def shared_gpu_world(rank: int) -> dict[str, Any]:
     return {
         "4d": compare_layer(rank, [3, 5], (8, 3, 4, 5), seed=31, device="cuda:0"),
         "empty_rank": compare_layer(rank, [0, 6], (6, 3, 2, 3), seed=32, device="cuda:0"),
+    }
+
+
+def shared_gpu_fused_world(rank: int) -> dict[str, Any]:
+    """Two ranks on one GPU over gloo, on torch's fused kernels (chosen for CUDA tensors): path pairings."""
+    torch.cuda.set_device(0)
+    return {
+        "float64_no_wrapper_and_two_replicas": compare_layer(
+            rank, [3, 6], (9, 3, 4, 5), seed=33, device="cuda:0", replicas=[0, 2]
+        ),
+        "float64_one_replica_and_two": compare_layer(
+            rank, [1, 6], (7, 3, 2, 3), seed=34, device="cuda:0", replicas=[2, 2]
+        ),
+        "float64_empty_and_two_replicas": compare_layer(
+            rank, [0, 5], (5, 3, 2, 3), seed=35, device="cuda:0", replicas=[0, 2]
+        ),
+        "float64_channels_last": compare_layer(
+            rank, [4, 4], (8, 3, 4, 5), seed=36, device="cuda:0", channels_last=True
+        ),
     }
 
 

@@ -73,6 +73,11 @@ def test_one_collective_per_layer_call_each_way_none_in_eval(grid: list[dict[str
         assert not any(evaluation.values()), evaluation
 
 
+def test_a_call_wider_than_any_before_widens_the_group_once(grid: list[dict[str, Any]]) -> None:
+    for result in grid:
+        assert result["widening"] == [{"all_gather": n} for n in (2, 1, 1, 2, 1, 1)]
+
+
 def test_bfloat16_autocast_keeps_fp32_statistics_of_the_whole_batch(grid: list[dict[str, Any]]) -> None:
     for result in grid:
         obs = result["bfloat16"]
@@ -141,8 +146,10 @@ def test_two_replicas_per_process_make_one_collective_per_layer(wrappers: list[d
         # two SyncBatchNorm layers, two replicas each: still one collective per layer each way (on CPU tensors
         # both are all_gathers)
         assert result["replicas_collectives"] == [{"all_gather": 4}] * 3
-        # DDP's gradient all-reduce goes through its reducer, not torch.distributed.all_reduce
-        assert all(c.get("all_gather") == 4 for c in result["ddp_collectives"]), result["ddp_collectives"]
+        # DDP's gradient all-reduce goes through its reducer, not torch.distributed.all_reduce; the group's
+        # first exchange (6 channels, the widest layer) widens its packets once, before sending them
+        gathers = [c.get("all_gather") for c in result["ddp_collectives"]]
+        assert gathers == [5, 4, 4], result["ddp_collectives"]
 
 
 # ---------------------------------------------------------------------------------------------- failures

@@ -6,9 +6,9 @@ torch's fused kernels plus the few passes that the exchange forces between a red
     forward:  mean_p = mean(x); c = x - mean_p; M2_p = sum(c * c)            (no graph: constants)
               ──all_gather (count, mean_p, M2_p)──► (mean, var) of the whole batch  (pc_sync._process_stats)
               y = (c - (mean - mean_p)) * inv_std * weight + bias              (torch's eval-mode batch norm)
-    backward: sum(g), sum(g * c)                                               (this process's part)
-              ──sum over the ranks of (sum(g * xhat), sum(g))──► (H, G) of the whole batch
-              dx = inv_std * weight * (g - G / N - xhat * H / N)               (one fused affine + addcmul_)
+    backward: G_p = sum(g), S_p = sum(g * (x - mean))                          (this process's part)
+              ──sum over the ranks of (G_p, S_p)──► (G, S) of the whole batch
+              dx = inv_std * weight * (g - G / N - (x - mean) * inv_std**2 * S / N)
 
 Why not the replicas' two nodes (``pc_sync._autograd``) with a node for the exchange: their small per-channel
 ops (scale, shift, inv_std, the casts) each record an autograd node, and each node costs more CPU than the
@@ -17,14 +17,14 @@ in as constants, and this one node gives ``x``, ``weight`` and ``bias`` their wh
 
 Why ``c = x - mean_p`` is kept rather than ``x``: it is the same size as the input that torch's own batch norm
 saves, and normalizing ``c`` by the (small) difference of the means keeps the precision of data far from zero
-in the output and in ``sum(g * xhat)``, where ``x * inv_std - mean * inv_std`` would cancel.
+in the output and in ``S_p``, where ``x * inv_std - mean * inv_std`` would cancel.
 
 The gradient: with ``xhat = (x - mean) * inv_std`` and ``y = xhat * w + b``, the full-batch derivative is
-``dx = w * inv_std * (g - G / N - xhat * H / N)`` where ``G = sum(g)`` and ``H = sum(g * xhat)`` run over the
-whole batch (every process's share): each process computes its part with the common ``mean`` and
-``inv_std``, the exchange (``pc_sync._process_stats.exchange_gradients``) sums them, and ``dx`` is
-``A * g + B * c + C`` per channel. The parameter gradients are this process's ``H_p`` and ``G_p``: DDP (or
-the caller) sums them over the processes as for any parameter.
+``dx = w * inv_std * (g - G / N - (x - mean) * inv_std**2 * S / N)`` where ``G = sum(g)`` and
+``S = sum(g * (x - mean))`` run over the whole batch (every process's share): each process computes its part
+with the common ``mean``, the exchange (``pc_sync._exchange``, the same sums on every path) adds them, and
+``dx`` is ``A * g + B * c + C`` per channel. The parameter gradients are this process's ``inv_std * S_p`` and
+``G_p``: DDP (or the caller) sums them over the processes as for any parameter.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from pc_sync._autograd import channel_affine
-from pc_sync._process_stats import exchange_gradients
+from pc_sync._exchange import exchange_gradients
 
 __all__ = ["batch_norm_across", "local_moments"]
 
@@ -88,6 +88,7 @@ class _ProcessBatchNorm(torch.autograd.Function):
         total: int,
         group: Any,
         ordinal: int | None,
+        input_dtype: torch.dtype,
     ) -> torch.Tensor:
         dtype = centered.dtype
         w = weight if weight is None or weight.dtype == dtype else weight.to(dtype)
@@ -98,6 +99,7 @@ class _ProcessBatchNorm(torch.autograd.Function):
         ctx.total = total
         ctx.group = group
         ctx.ordinal = ordinal
+        ctx.dtype = input_dtype
         ctx.set_materialize_grads(False)
         return out
 
@@ -107,30 +109,30 @@ class _ProcessBatchNorm(torch.autograd.Function):
         centered, shift, var, w = ctx.saved_tensors
         inv_std = torch.rsqrt(var + ctx.eps)
         needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
-        rest = (None,) * 7
+        rest = (None,) * 8
         if g is None:
             # No gradient reached the output: this process's share of the exchange is zero, but it still
             # takes part (its peers wait for it).
             g = torch.zeros_like(centered)
         dims = _reduce_dims(centered)
         sum_g = g.sum(dims)
-        sum_gxhat = ((g * centered).sum(dims) - shift * sum_g) * inv_std
-        grad_w = sum_gxhat if needs_w else None
+        # sum(g * (x - mean)), with x - mean == centered - shift
+        sum_gxmu = torch.addcmul((g * centered).sum(dims), shift, sum_g, value=-1.0)
+        grad_w = sum_gxmu * inv_std if needs_w else None
         grad_b = sum_g if needs_b else None
         if not needs_x:
             return None, grad_w, grad_b, *rest
-        channels = sum_g.numel()
-        summed = exchange_gradients([sum_gxhat, sum_g], ctx.ordinal, ctx.group)
+        summed = exchange_gradients(sum_g, sum_gxmu, ordinal=ctx.ordinal, dtype=ctx.dtype, group=ctx.group)
         if summed.dtype != g.dtype:
             summed = summed.to(g.dtype)
         scale = inv_std if w is None else inv_std * w
         k = scale * (-1.0 / ctx.total)
-        # dx = A * g + B * centered + C with A = scale, B = -scale * inv_std * H / N and
-        # C = -scale * G / N - B * shift (centered - shift is x - mean)
-        factor = k * inv_std * summed[:channels]
-        offset = torch.addcmul(k * summed[channels:], factor, shift, value=-1.0)
+        # dx = A * g + B * centered + C with A = scale, B = -scale * inv_std**2 * S / N and
+        # C = -scale * G / N - B * shift (centered - shift is x - mean), G and S the whole batch's sums
+        factor = k * inv_std.square() * summed[1]
+        offset = torch.addcmul(k * summed[0], factor, shift, value=-1.0)
         dx = channel_affine(centered, factor, offset)
-        dx.addcmul_(g, scale.reshape([1, channels] + [1] * (g.dim() - 2)))
+        dx.addcmul_(g, scale.reshape([1, scale.numel()] + [1] * (g.dim() - 2)))
         return dx, grad_w, grad_b, *rest
 
 
@@ -145,13 +147,14 @@ def batch_norm_across(
     total: int,
     group: Any,
     ordinal: int | None,
+    input_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps) * weight + bias`` with the whole batch's ``mean`` and ``var``.
 
     Differentiable in ``x``, ``weight`` and ``bias``; the ``x`` gradient is that of the batch norm of the
     whole batch, whose backward makes one exchange over ``group`` (every process of the group must run
-    it; ``ordinal`` is this call's number from :func:`pc_sync._process_stats.next_ordinal`, ``None`` when
-    ``x`` does not require grad).
+    it; ``ordinal`` is this call's number from its forward exchange, ``None`` when ``x`` does not require
+    grad).
 
     Args:
         x: This process's input (only its autograd identity is used: ``centered`` holds its values).
@@ -164,11 +167,12 @@ def batch_norm_across(
         total: The whole batch's values per channel.
         group: The process group.
         ordinal: The call's number for the backward exchange.
+        input_dtype: The layer's input dtype (the backward exchange's header names it).
 
     Returns:
         The normalized tensor, of ``centered``'s shape, dtype and memory format.
     """
     out: torch.Tensor = _ProcessBatchNorm.apply(  # type: ignore[no-untyped-call]
-        x, weight, bias, centered, shift, var, eps, total, group, ordinal
+        x, weight, bias, centered, shift, var, eps, total, group, ordinal, input_dtype
     )
     return out

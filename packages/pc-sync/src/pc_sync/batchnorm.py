@@ -14,6 +14,7 @@ communication in backward and therefore cannot deadlock.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Hashable
@@ -23,6 +24,8 @@ import torch
 from torch import nn
 
 from pc_sync._autograd import _Handoff, local_stats, normalize
+from pc_sync._fused import FusedLayer, FusedMessage, fusable, gather_replicas, replica_batch_norm
+from pc_sync._torch_bn import BatchNormKernels, kernels_for
 from pc_sync.comm import SlavePipe, SyncMaster, check_timeout
 from pc_sync.errors import DEFAULT_SYNC_TIMEOUT
 
@@ -38,11 +41,12 @@ _TORCH_BN_TAKES_BIAS = "bias" in inspect.signature(nn.modules.batchnorm._BatchNo
 
 
 class _ChildMessage(NamedTuple):
-    """A replica's per-channel statistics: mean, sum of squared deviations (M2) and count."""
+    """A replica's per-channel statistics: mean, sum of squared deviations (M2), count and input dtype."""
 
     mean: torch.Tensor
     m2: torch.Tensor
     n: int
+    dtype: torch.dtype
 
 
 class _MasterMessage(NamedTuple):
@@ -67,9 +71,9 @@ def _local_stats(x: torch.Tensor) -> tuple[_ChildMessage, torch.Tensor, torch.Te
         # Sums over no values: zeros that stay in the graph when ``x`` requires grad, so an empty replica or
         # process records the same autograd nodes as its peers.
         dims = [0, *range(2, x.dim())]
-        return _ChildMessage(xs.sum(dims), xs.sum(dims), 0), xs, xs, None
+        return _ChildMessage(xs.sum(dims), xs.sum(dims), 0, x.dtype), xs, xs, None
     mean, m2, centered, handoff = local_stats(xs)
-    return _ChildMessage(mean, m2, count), xs, centered, handoff
+    return _ChildMessage(mean, m2, count, x.dtype), xs, centered, handoff
 
 
 def _combine(msgs: list[_ChildMessage], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -133,6 +137,8 @@ class _SyncBNMixin(nn.Module):
         self.sync_timeout = timeout
         self._sync_master: SyncMaster | None = None
         self._slave_pipe: SlavePipe | None = None
+        # A kernel set used on every device instead of the one chosen per device (tests, benchmarks).
+        self._bn_kernels: BatchNormKernels | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Replica-only links to live peers are dropped: a pickled replica is a plain module.
@@ -200,12 +206,61 @@ class _SyncBNMixin(nn.Module):
         pipe = self._slave_pipe
         if pipe is None and master.nr_slaves == 0:
             return super().forward(input)  # type: ignore[no-any-return]
+        return self._replica_forward(input, master, pipe)
+
+    def _replica_forward(
+        self, input: torch.Tensor, master: SyncMaster, pipe: SlavePipe | None
+    ) -> torch.Tensor:
+        """A training replica's forward: local statistics, one round with the other replicas, normalization.
+
+        On the fused kernels where the device has them (``pc_sync._fused``), else the composite path.
+        """
+        kernels = self._kernels(input)
+        if kernels is not None:
+            if pipe is None:
+                exchange = functools.partial(master.run_master, timeout=self.sync_timeout)
+            else:
+                exchange = functools.partial(pipe.run_slave, timeout=self.sync_timeout)
+            with torch.autocast(input.device.type, enabled=False):
+                weight = cast("torch.Tensor | None", self.weight)
+                bias = cast("torch.Tensor | None", self.bias)
+                return replica_batch_norm(input, weight, bias, kernels, self.eps, exchange)
         msg, xs, centered, handoff = _local_stats(input)
         if pipe is None:
             reply = master.run_master(msg, timeout=self.sync_timeout)
         else:
             reply = pipe.run_slave(msg, timeout=self.sync_timeout)
         return self._normalize(xs, centered, msg.mean, reply, handoff).to(input.dtype)
+
+    def _kernels(self, input: torch.Tensor) -> BatchNormKernels | None:
+        """The fused kernel set for ``input`` (``None``: the composite path): see ``pc_sync._torch_bn``."""
+        override = self.__dict__.get("_bn_kernels")
+        if override is None and input.device.type != "cuda":  # the common CPU case, decided at once
+            return None
+        kernels = kernels_for(input.device, override)
+        if kernels is None:
+            return None
+        params = (self.weight, self.bias, self.running_mean, self.running_var)
+        return kernels if fusable(input, *cast("tuple[torch.Tensor | None, ...]", params)) else None
+
+    def _fused_layer(self, kernels: BatchNormKernels, replicas: int) -> FusedLayer:
+        """What the fused orchestration needs of this module (the master replica) for one call."""
+        tracks = self.track_running_stats and self.running_mean is not None
+        return FusedLayer(
+            kernels=kernels,
+            eps=self.eps,
+            weight=cast("torch.Tensor | None", self.weight),
+            running_mean=self.running_mean if tracks else None,
+            running_var=self.running_var if tracks else None,
+            momentum=self._momentum_factor if tracks else float,
+            across=self._spans_processes(),
+            group=getattr(self, "process_group", None),
+            scope=f" across {replicas} replica(s){self._scope()}",
+        )
+
+    def _spans_processes(self) -> bool:
+        """Whether the statistics span processes beyond this process's replicas (a subclass's group)."""
+        return False
 
     def _normalize(
         self,
@@ -232,13 +287,21 @@ class _SyncBNMixin(nn.Module):
             return torch.addcmul(shift.reshape(shape), centered, scale.reshape(shape))
         return normalize(x, centered, scale, shift, handoff)
 
-    def _data_parallel_master(
-        self, intermediates: list[tuple[Hashable, Any]]
-    ) -> list[tuple[Hashable, _MasterMessage]]:
+    def _data_parallel_master(self, intermediates: list[tuple[Hashable, Any]]) -> list[tuple[Hashable, Any]]:
         """Combine every replica's statistics, update the running statistics once, and answer each replica."""
+        kinds = {type(msg) for _, msg in intermediates}
+        if kinds == {FusedMessage}:
+            fused: list[FusedMessage] = [msg for _, msg in intermediates]
+            layer = self._fused_layer(fused[0].kernels, len(fused))
+            return list(zip([i for i, _ in intermediates], gather_replicas(layer, fused), strict=True))
+        if kinds != {_ChildMessage}:
+            raise TypeError(
+                f"{type(self).__name__}: the replicas ran different paths (fused kernels and the composite "
+                "path); every replica must be on the same kind of device"
+            )
         msgs: list[_ChildMessage] = [msg for _, msg in intermediates]
         device = msgs[0].mean.device
-        mean, m2, total = self._global_stats(*_combine(msgs, device))
+        mean, m2, total = self._global_stats(*_combine(msgs, device), msgs)
         if total <= 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got {total} value(s) per channel "
@@ -258,24 +321,33 @@ class _SyncBNMixin(nn.Module):
         ]
 
     def _global_stats(
-        self, mean: torch.Tensor, m2: torch.Tensor, total: int
+        self, mean: torch.Tensor, m2: torch.Tensor, total: int, msgs: list[_ChildMessage]
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The whole batch's statistics from this process's: the same, unless a subclass spans processes."""
+        """The whole batch's statistics from this process's (its replicas sent ``msgs``).
+
+        The same, unless a subclass spans processes.
+        """
         return mean, m2, total
 
     def _scope(self) -> str:
         """Where the counted values came from beyond this process's replicas, for error messages."""
         return ""
 
+    def _momentum_factor(self) -> float:
+        """Count one training call in ``num_batches_tracked``; the factor of this call's running update."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.num_batches_tracked is not None:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        return factor
+
     def _update_running_stats(self, mean: torch.Tensor, unbiased_var: torch.Tensor) -> None:
         if not self.track_running_stats or self.running_mean is None or self.running_var is None:
             return
+        factor = self._momentum_factor()
         with torch.no_grad():
-            factor = 0.0 if self.momentum is None else self.momentum
-            if self.num_batches_tracked is not None:
-                self.num_batches_tracked.add_(1)
-                if self.momentum is None:
-                    factor = 1.0 / float(self.num_batches_tracked)
             self.running_mean.mul_(1.0 - factor).add_(mean.detach().to(self.running_mean.dtype), alpha=factor)
             self.running_var.mul_(1.0 - factor).add_(
                 unbiased_var.detach().to(self.running_var.dtype), alpha=factor

@@ -21,9 +21,11 @@ import torch
 from torch import nn
 
 from pc_sync._checks import positive_int
+from pc_sync._exchange import group_size
+from pc_sync._fused import process_batch_norm
 from pc_sync._process_batchnorm import batch_norm_across, local_moments
-from pc_sync._process_stats import exchange_statistics, group_size, next_ordinal, reduce_across_processes
-from pc_sync.batchnorm import _LOW_PRECISION, _local_stats, _SyncBNMixin, take_over_state
+from pc_sync._process_stats import exchange_statistics, reduce_across_processes
+from pc_sync.batchnorm import _LOW_PRECISION, _ChildMessage, _SyncBNMixin, take_over_state
 from pc_sync.errors import DEFAULT_SYNC_TIMEOUT
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
@@ -146,29 +148,29 @@ class SyncBatchNorm(_SyncBNMixin, _BatchNormBase):
             return _BatchNormBase.forward(self, input)
         master = self._sync_master
         pipe = self._slave_pipe
-        replicas = master is not None and (pipe is not None or master.nr_slaves > 0)
-        if not replicas:
-            if group_size(self.process_group) == 1:
-                return _BatchNormBase.forward(self, input)
+        if master is not None and (pipe is not None or master.nr_slaves > 0):
             with torch.autocast(input.device.type, enabled=False):
-                return self._across_processes(input)
+                return self._replica_forward(input, master, pipe)
+        if group_size(self.process_group) == 1:
+            return _BatchNormBase.forward(self, input)
+        replicas = 0 if master is None else 1
         with torch.autocast(input.device.type, enabled=False):
-            msg, xs, centered, handoff = _local_stats(input)
-            if master is not None and pipe is not None:
-                reply = pipe.run_slave(msg, timeout=self.sync_timeout)
-            elif master is not None and replicas:
-                reply = master.run_master(msg, timeout=self.sync_timeout)
-            else:
-                reply = self._data_parallel_master([(0, msg)])[0][1]
-            return self._normalize(xs, centered, msg.mean, reply, handoff).to(input.dtype)
+            kernels = self._kernels(input)
+            if kernels is not None:
+                weight = cast("torch.Tensor | None", self.weight)
+                bias = cast("torch.Tensor | None", self.bias)
+                return process_batch_norm(input, weight, bias, self._fused_layer(kernels, 1), replicas)
+            return self._across_processes(input, replicas)
 
-    def _across_processes(self, input: torch.Tensor) -> torch.Tensor:
-        """The training forward of a process without replicas: one exchange, one autograd node."""
+    def _across_processes(self, input: torch.Tensor, replicas: int) -> torch.Tensor:
+        """The training forward of a process without replicas (or one): one exchange, one autograd node."""
         xs = input.float() if input.dtype in _LOW_PRECISION else input
         group = self.process_group
         records = torch.is_grad_enabled() and xs.requires_grad
         mean_p, m2_p, centered, count = local_moments(xs)
-        mean, m2, total = exchange_statistics(mean_p, m2_p, count, records, group)
+        mean, m2, total, ordinal = exchange_statistics(
+            mean_p, m2_p, count, records, group, replicas=replicas, dtype=input.dtype
+        )
         if total <= 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got {total} value(s) per channel "
@@ -187,16 +189,29 @@ class SyncBatchNorm(_SyncBNMixin, _BatchNormBase):
             self.eps,
             total,
             group,
-            next_ordinal(group) if records else None,
+            ordinal,
+            input.dtype,
         )
         return out.to(input.dtype)
 
     def _global_stats(
-        self, mean: torch.Tensor, m2: torch.Tensor, total: int
+        self, mean: torch.Tensor, m2: torch.Tensor, total: int, msgs: list[_ChildMessage]
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         if group_size(self.process_group) == 1:
             return mean, m2, total
-        return reduce_across_processes(mean, m2, total, self.process_group)
+        return reduce_across_processes(
+            mean,
+            m2,
+            total,
+            self.process_group,
+            replicas=len(msgs),
+            dtype=msgs[0].dtype,
+            weight=cast("torch.Tensor | None", self.weight),
+            eps=self.eps,
+        )
+
+    def _spans_processes(self) -> bool:
+        return group_size(self.process_group) > 1
 
     def _scope(self) -> str:
         size = group_size(self.process_group)
