@@ -3,6 +3,11 @@
 A wrong type raises ``TypeError``, a value of the right type that is out of range raises ``ValueError``; a
 ``bool`` is never taken for an int or a number. Every message reads ``"<name> must be <what>, got <value>"``,
 with the value's type added for a ``TypeError``. Each check returns the value (as a float for seconds).
+
+Seconds (every timeout of the package) are finite and at most :data:`MAX_TIMEOUT`: no wait of the package is
+infinite, and torch cannot take longer ones everywhere (TensorPipe's RPC agent counts a call's timeout in
+32-bit milliseconds, about 24.8 days, and turns a longer one into an instant timeout). A longer wait is a
+loop of bounded ones in the caller.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from typing import TypeGuard
 
 __all__ = [
     "DEFAULT",
+    "MAX_TIMEOUT",
     "bool_flag",
     "int_at_least",
     "int_in_range",
@@ -24,6 +30,10 @@ __all__ = [
 
 # Another name for "the default" (``None``) that every ``timeout`` argument of the package accepts.
 DEFAULT = -1
+
+MAX_TIMEOUT = 24 * 24 * 3600.0
+"""The longest timeout the package takes, in seconds: 24 days (see the module)."""
+_MAX_TEXT = f"{MAX_TIMEOUT:.0f} (24 days)"
 
 
 def _wrong_type(name: str, what: str, value: object) -> TypeError:
@@ -107,39 +117,44 @@ def positive_number(name: str, value: object) -> float:
     return float(value)
 
 
+def _in_seconds_range(value: int | float) -> bool:
+    return 0 < value <= MAX_TIMEOUT  # False for NaN and infinities
+
+
 def positive_seconds(name: str, value: object) -> float:
-    """Check that ``value`` is a number of seconds > 0 (NaN is not) and return it as a float.
+    """Check that ``value`` is a number of seconds in ``(0, MAX_TIMEOUT]`` and return it as a float.
 
     Raises:
         TypeError: If it is not an int or a float.
-        ValueError: If it is not > 0.
+        ValueError: If it is not > 0, or is above :data:`MAX_TIMEOUT` (infinity included), or NaN.
     """
-    what = "a positive number of seconds"
+    what = f"a positive number of seconds up to {_MAX_TEXT}"
     if not _is_number(value):
         raise _wrong_type(name, what, value)
-    if not value > 0:
+    if not _in_seconds_range(value):
         raise _bad_value(name, what, value)
     return float(value)
 
 
 def optional_timeout(name: str, value: object) -> float | None:
-    """Check a ``timeout``-like argument: ``None`` (or :data:`DEFAULT`) for the default, else seconds > 0.
+    """Check a ``timeout``-like argument: ``None`` (or :data:`DEFAULT`) for the default, else seconds.
 
     Returns:
         None for the default, else the seconds as a float.
 
     Raises:
         TypeError: If it is neither None nor a number.
-        ValueError: If it is a number that is neither :data:`DEFAULT` nor > 0.
+        ValueError: If it is a number that is neither :data:`DEFAULT` nor in ``(0, MAX_TIMEOUT]`` (infinity
+            and NaN are not).
     """
-    what = "None (the default) or a positive number of seconds"
+    what = f"None (the default) or a positive number of seconds up to {_MAX_TEXT}"
     if value is None:
         return None
     if not _is_number(value):
         raise _wrong_type(name, what, value)
     if value == DEFAULT:
         return None
-    if not value > 0:
+    if not _in_seconds_range(value):
         raise _bad_value(name, what, value)
     return float(value)
 

@@ -2,9 +2,12 @@
 
 **Timeouts.** Every ``timeout`` argument of pc-distributed means the same: ``None`` is the owner's default (an
 RPC call: the World's ``rpc_timeout``; a group barrier: the World's ``rpc_timeout``; ``irecv().wait``: the
-group's timeout; ``World.stop``: ``rpc_timeout``), any other value is a number of seconds > 0. ``-1`` is
-accepted everywhere as another name for ``None``, for code written against the original API. No wait of the
-package is infinite by default. The checks themselves live in :mod:`pc_distributed._checks`.
+group's timeout; ``World.stop``: ``rpc_timeout``), any other value is a number of seconds > 0 and at most
+``MAX_TIMEOUT`` (24 days; longer, infinite and NaN are a ``ValueError`` at the call). ``-1`` is accepted
+everywhere as another name for ``None``, for code written against the original API. No wait of the package is
+infinite, by default or on request. A call's timeout bounds the caller's whole wait on both RPC backends,
+whatever the transport's threads do (calls nested deeper than a member's handler threads included: see
+:mod:`pc_distributed.rpc._tensorpipe`). The checks themselves live in :mod:`pc_distributed._checks`.
 
 **Transport errors.** Failures of the transport surface as ``TimeoutError`` or ``ConnectionError`` naming the
 peer, chained to torch's error. They are told apart by type where torch gives one (``TimeoutError``,

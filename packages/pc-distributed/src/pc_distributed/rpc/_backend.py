@@ -6,7 +6,9 @@ between the World's members, addressed by member name:
 
 - **call** a module-level function on a member and get its return value back: blocking (:meth:`call_sync`),
   as a future (:meth:`call`), or kept on the member behind a reference (:meth:`remote`);
-- **time out**: every call is bounded by its ``timeout``, then fails with ``TimeoutError`` naming the member;
+- **time out**: every call is bounded by its ``timeout``, then fails with ``TimeoutError`` naming the member,
+  whatever the transport's own threads do: also while every thread that runs handlers (or completes replies)
+  waits for calls of its own, as in a chain of nested calls deeper than the member's pool;
 - **detect a dead member**: a call to a member that died or became unreachable fails within its timeout,
   with ``ConnectionError`` or ``TimeoutError`` naming it;
 - **shut down** gracefully (outstanding work of the peers finishes first) or at once, always bounded.

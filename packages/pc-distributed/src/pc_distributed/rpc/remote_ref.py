@@ -1,9 +1,8 @@
 """RemoteRef: a reference to a value on another member whose ``to_here()`` unwraps remote errors.
 
-The backend's remote value (``_backend.RemoteValue``; torch's RRef on TensorPipe) holds an envelope (see
-``_remote``); :meth:`RemoteRef.to_here` fetches it and
-returns the value, or raises the remote exception with its original type and the remote traceback as
-``__cause__``.
+The backend's remote value (``_backend.RemoteValue``; on TensorPipe torch's RRef, with a bounded
+``to_here``) holds an envelope (see ``_remote``); :meth:`RemoteRef.to_here` fetches it and returns the value,
+or raises the remote exception with its original type and the remote traceback as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ class RemoteRef:
     ``TypeError`` on either backend (the c10d backend's references are not counted across processes).
 
     Args:
-        rref: The backend's remote value (torch's ``RRef`` on TensorPipe) holding an envelope.
+        rref: The backend's remote value holding an envelope (on TensorPipe a
+            :class:`~._tensorpipe.TensorPipeValue`: torch's ``RRef`` with a bounded ``to_here``).
         owner_name: Name of the owning member.
         on_missing: Raised (as an exception factory) when the owner no longer holds the key.
     """
