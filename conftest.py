@@ -63,7 +63,12 @@ def _cuda_device_count() -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip (or, under PC_REQUIRE_GPU=1, fail) `gpu` tests when CUDA is missing."""
+    """Skip `backends_inside` tests in a session that picks the RPC backend; skip (or fail) `gpu` ones."""
+    if os.environ.get("PC_RPC_BACKEND"):
+        again = pytest.mark.skip(reason="picks its RPC backends itself (or none): the default run has it")
+        for item in items:
+            if "backends_inside" in item.keywords:
+                item.add_marker(again)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or _cuda_device_count() > 0:
         return

@@ -24,6 +24,8 @@ from pc_distributed.parallel.daso.multigpu import DataParallelMultiGPU
 from pc_distributed.parallel.data_parallel import DataParallel
 from pc_distributed.parallel.optimizer import DataParallelOptimizer
 
+pytestmark = pytest.mark.backends_inside
+
 
 def _outcome(fn: Any) -> str:
     try:

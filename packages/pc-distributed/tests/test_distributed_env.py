@@ -173,3 +173,134 @@ def test_tensorpipes_refusal_of_a_cuda_tensor_is_a_value_error_naming_the_backen
     assert "rpc_sync to '1'" in str(error)
     assert "rpc_backend='c10d'" in str(error)
     assert "only supports CPU tensors" in str(error)
+
+
+def test_an_explicit_tcp_url_is_served_by_rank_zero_unless_an_agent_serves_it() -> None:
+    spec = resolve_world_spec(0, 2, "tcp://127.0.0.1:2950", None, env={})
+    assert (spec.dist_url, spec.rpc_url, spec.host, spec.port) == (
+        "tcp://127.0.0.1:2950",
+        "tcp://127.0.0.1:2950",
+        "127.0.0.1",
+        2950,
+    )
+    assert spec.serves_store()
+    assert spec.on_loopback()
+    assert not resolve_world_spec(1, 2, "tcp://127.0.0.1:2950", None, env={}).serves_store()
+    agent = resolve_world_spec(
+        0, 2, "tcp://127.0.0.1:2950", None, env={"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    )
+    assert agent.agent_store
+    assert not agent.serves_store()
+    # a one-process world on an explicit address (port 0: a free one)
+    assert resolve_world_spec(-1, -1, "tcp://127.0.0.1:0", None, env={}).serves_store()
+
+
+def test_tcp_urls_with_ipv6_brackets_and_host_names() -> None:
+    spec = resolve_world_spec(0, 2, "tcp://[::1]:2950", None, env={})
+    assert (spec.dist_url, spec.host, spec.port) == ("tcp://[::1]:2950", "::1", 2950)
+    assert spec.serves_loopback()
+    named = resolve_world_spec(0, 2, "tcp://node-a.example:2950/", None, env={})
+    assert (named.dist_url, named.host, named.on_loopback()) == (
+        "tcp://node-a.example:2950",
+        "node-a.example",
+        False,
+    )
+
+
+def test_a_url_query_gives_rank_and_world_size_as_torch_reads_it() -> None:
+    spec = resolve_world_spec(-1, -1, "tcp://127.0.0.1:2950?rank=1&world_size=3&use_libuv=0", None, env={})
+    assert (spec.rank, spec.world_size, spec.dist_url) == (1, 3, "tcp://127.0.0.1:2950")
+    assert resolve_world_spec(1, 3, "tcp://127.0.0.1:2950?rank=1&world_size=3", None, env={}).rank == 1
+    # the query wins over the environment, as in torch's env:// handler
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "2950"}
+    assert resolve_world_spec(-1, -1, "env://?rank=1", None, env=env).rank == 1
+    file_spec = resolve_world_spec(-1, -1, "file:///tmp/rdzv?rank=0&world_size=2", None, env={})
+    assert (file_spec.rank, file_spec.world_size, file_spec.dist_url) == (0, 2, "file:///tmp/rdzv")
+    with pytest.raises(ValueError, match=r"rank is 0, but dist_init_method .* says rank=1"):
+        resolve_world_spec(0, 2, "tcp://127.0.0.1:2950?rank=1", None, env={})
+    with pytest.raises(ValueError, match="the init methods disagree on world_size"):
+        resolve_world_spec(
+            -1, -1, "tcp://127.0.0.1:1?world_size=2", "tcp://127.0.0.1:2?world_size=3&rank=0", env={}
+        )
+    with pytest.raises(ValueError, match=r"unknown query key\(s\) \['ranks'\]"):
+        resolve_world_spec(-1, -1, "tcp://127.0.0.1:2950?ranks=1", None, env={})
+    with pytest.raises(ValueError, match="world_size must be an integer, got 'two'"):
+        resolve_world_spec(-1, -1, "tcp://127.0.0.1:2950?world_size=two", None, env={})
+
+
+def test_env_url_reads_master_addr_and_port_and_is_served_like_them() -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "2950", "RANK": "0", "WORLD_SIZE": "2"}
+    spec = resolve_world_spec(-1, -1, "env://", None, env=env)
+    assert spec == resolve_world_spec(-1, -1, None, None, env=env)
+    assert (spec.dist_url, spec.serves_store()) == ("tcp://127.0.0.1:2950", True)
+    with pytest.raises(ValueError, match=r"reads MASTER_ADDR and MASTER_PORT, but \['MASTER_PORT'\] not set"):
+        resolve_world_spec(0, 1, "env://", None, env={"MASTER_ADDR": "127.0.0.1"})
+    with pytest.raises(ValueError, match="MASTER_PORT must be in"):
+        resolve_world_spec(0, 1, "env://", None, env={"MASTER_ADDR": "h", "MASTER_PORT": "65536"})
+
+
+def test_file_url_has_no_server() -> None:
+    spec = resolve_world_spec(1, 2, "file:///tmp/rdzv", None, env={})
+    assert (spec.dist_url, spec.rpc_url, spec.host, spec.port) == (
+        "file:///tmp/rdzv",
+        "file:///tmp/rdzv",
+        None,
+        None,
+    )
+    assert not resolve_world_spec(0, 2, "file:///tmp/rdzv", None, env={}).serves_store()
+    other = resolve_world_spec(0, 2, "file:///tmp/rdzv", "file:///tmp/rpc", env={})
+    assert (other.rpc_url, other.rpc_host) == ("file:///tmp/rpc", None)
+
+
+def test_rpc_init_method_is_the_worlds_store_or_one_of_its_own() -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "2950"}
+    for same in ("tcp://127.0.0.1:2950", "env://", "tcp://127.0.0.1:2950?use_libuv=1"):
+        shared = resolve_world_spec(0, 2, "tcp://127.0.0.1:2950", same, env=env)
+        assert (shared.rpc_url, shared.rpc_host, shared.rpc_port) == ("tcp://127.0.0.1:2950", None, None)
+    own = resolve_world_spec(1, 2, "tcp://127.0.0.1:2950", "tcp://127.0.0.1:2951", env=env)
+    assert (own.rpc_url, own.rpc_host, own.rpc_port) == ("tcp://127.0.0.1:2951", "127.0.0.1", 2951)
+    # rank 0 serves RPC's own store even where an agent serves the World's (no agent serves that one)
+    agent = resolve_world_spec(
+        0, 2, None, "tcp://127.0.0.1:2951", env={**env, "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    )
+    assert (agent.agent_store, agent.rpc_host) == (True, "127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    ("dist", "rpc", "size", "error", "match"),
+    [
+        ("127.0.0.1:2950", None, 1, ValueError, "must be 'tcp://host:port', 'env://'"),
+        ("http://127.0.0.1:2950", None, 1, ValueError, "must be 'tcp://host:port'"),
+        ("tcp://127.0.0.1", None, 1, ValueError, "names a host and a port"),
+        ("tcp://:2950", None, 1, ValueError, "names a host and a port"),
+        ("tcp://127.0.0.1:70000", None, 1, ValueError, r"port must be an integer in \[0, 65535\]"),
+        ("tcp://127.0.0.1:http", None, 1, ValueError, r"port must be an integer in \[0, 65535\]"),
+        ("tcp://127.0.0.1:2950/x", None, 1, ValueError, "has no path"),
+        ("env://127.0.0.1:2950", None, 1, ValueError, "names no address"),
+        ("file://tmp/rdzv", None, 1, ValueError, "names an absolute path"),
+        ("file://", None, 1, ValueError, "names an absolute path"),
+        ("tcp://127.0.0.1:0", None, 2, ValueError, "2 processes cannot meet at port 0"),
+        ("tcp://127.0.0.1:2950", "tcp://127.0.0.1:0", 2, ValueError, "rpc_init_method .* port 0"),
+        ("tcp://127.0.0.1:2950", "udp://x:1", 1, ValueError, "rpc_init_method must be 'tcp://host:port'"),
+        (b"tcp://127.0.0.1:2950", None, 1, TypeError, "dist_init_method must be a str or None, got bytes"),
+        ("tcp://127.0.0.1:2950", 2951, 1, TypeError, "rpc_init_method must be a str or None, got int"),
+    ],
+)
+def test_bad_init_methods(dist: object, rpc: object, size: int, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        resolve_world_spec(0, size, dist, rpc, env={})  # type: ignore[arg-type]
+
+
+def test_members_settings_are_compared_by_name() -> None:
+    from pc_distributed.world._rendezvous import _disagreements
+
+    same = {"RPC backends": "c10d", "process-group backends": "gloo"}
+    assert _disagreements(["a", "b"], [same, dict(same)]) == []
+    other = {**same, "RPC backends": "tensorpipe"}
+    assert _disagreements(["a", "b"], [same, other]) == [
+        "members use different RPC backends: {'a': 'c10d', 'b': 'tensorpipe'}"
+    ]
+    assert _disagreements(["a", "a"], [same, other]) == [
+        "member names must be unique, got ['a', 'a'] (by rank)",
+        "members use different RPC backends: {'rank 0': 'c10d', 'rank 1': 'tensorpipe'}",
+    ]

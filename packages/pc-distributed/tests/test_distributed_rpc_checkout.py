@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.backends_inside
+
 _SRC = Path(__file__).resolve().parents[1] / "src"
 
 _SCRIPT = textwrap.dedent(

@@ -210,6 +210,6 @@ def test_rank_zero_binds_exactly_the_given_address() -> None:
     from pc_distributed.world import _rendezvous
     from pc_distributed.world._env import resolve_world_spec
 
-    spec = resolve_world_spec(0, 2, None, None, env={"MASTER_PORT": "0"}, addr="10.255.255.1")
+    spec = resolve_world_spec(0, 1, None, None, env={"MASTER_PORT": "0"}, addr="10.255.255.1")
     with pytest.raises(OSError, match=r"rank 0 cannot serve the rendezvous store on 10\.255\.255\.1:0"):
-        _rendezvous.connect(spec, "a", 0, 2, 2)
+        _rendezvous.connect(spec, "a", 0, 1, 2)

@@ -28,6 +28,9 @@ __all__ = [
     "Store",
     "check_backend",
     "destroy_pg",
+    "elastic_groups_available",
+    "group_all_reduce_sum",
+    "group_broadcast",
     "init_pg",
     "link_devices",
     "listen_socket",
@@ -37,6 +40,7 @@ __all__ = [
     "p2p_carries",
     "pair_link",
     "prefix_store",
+    "quorum_group",
     "rpc_available",
     "rpc_options",
     "serve_store",
@@ -44,6 +48,7 @@ __all__ = [
     "start_rpc",
     "store_client",
     "store_port",
+    "tcp_store_client",
 ]
 
 # torch.distributed re-exports these from its C extension; its type stubs do not list them.
@@ -147,8 +152,9 @@ def open_store(url: str, rank: int, world_size: int, timeout: float) -> Any:
     A plain ``tcp://host:port`` gets a ``TCPStore`` client made here: torch's ``tcp://`` handler differs
     between releases when an agent serves the store (torch 2.4 requires ``TORCHELASTIC_RESTART_COUNT`` and
     wraps the client in a ``/worker/attempt_N`` prefix, later releases do neither), and the World scopes its
-    keys itself. Other URLs (``env://``, ``file://``, a ``tcp://`` URL with options) go through torch's
-    rendezvous handlers.
+    keys itself. Other URLs go through torch's rendezvous handlers: the World hands over only ``file://``
+    ones (it turns ``env://`` and a ``tcp://`` query into a plain address first, so that rank 0 serves it
+    on exactly that address and never through torch's handler, which binds every interface).
     """
     parsed = urlparse(url)
     if parsed.scheme == "tcp" and not parsed.query and parsed.hostname and parsed.port:
@@ -424,4 +430,55 @@ def _warn_left_running(exc: TimeoutError) -> None:
         "probably called from one of them (an RPC handler), which it waits for until it returns",
         RuntimeWarning,
         stacklevel=5,  # World.stop's caller
+    )
+
+
+# The elastic trainer's groups (``parallel.elastic``): one gloo group per quorum, built like the pair links
+# on a store scoped to the quorum, with no default process group, so a broken one is simply dropped.
+
+
+def elastic_groups_available() -> bool:
+    """Whether this torch build can make the elastic trainer's per-quorum groups (it has gloo)."""
+    return _ProcessGroupGloo is not None
+
+
+def quorum_group(store: Any, prefix: str, rank: int, size: int, timeout: float) -> Any:
+    """A gloo process group of ``size`` members rendezvousing on ``store`` under the key prefix ``prefix``.
+
+    Built with ``ProcessGroupGloo``'s constructor (as :func:`pair_link`), so no default group is needed and
+    the group is private to its members: a member's death breaks this group only.
+
+    Raises:
+        RuntimeError: If this torch build has no gloo, or torch's error if a member does not arrive in time.
+    """
+    if _ProcessGroupGloo is None:
+        raise RuntimeError("this torch build has no gloo, which the elastic trainer's groups need")
+    return _ProcessGroupGloo(_PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout))
+
+
+def group_all_reduce_sum(group: Any, tensor: torch.Tensor, timeout: float) -> None:
+    """Sum ``tensor`` in place over ``group`` (from :func:`quorum_group`), waiting at most ``timeout``."""
+    group.allreduce([tensor]).wait(timedelta(seconds=timeout))
+
+
+def group_broadcast(group: Any, tensor: torch.Tensor, root: int, timeout: float) -> None:
+    """Broadcast ``tensor`` in place from group rank ``root`` of ``group``, waiting at most ``timeout``."""
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    group.broadcast([tensor], options).wait(timedelta(seconds=timeout))
+
+
+def tcp_store_client(host: str, port: int, timeout: float) -> Any:
+    """A new client of the TCPStore served at ``host:port`` (the connect itself bounded by ``timeout``).
+
+    Raises:
+        TimeoutError: If the store's server does not answer within ``timeout``.
+        RuntimeError: torch's error if the connection is refused.
+    """
+    return _bounded_here(
+        lambda: _TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        ),
+        timeout,
+        f"the store at {host}:{port}",
     )

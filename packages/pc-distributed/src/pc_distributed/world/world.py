@@ -68,9 +68,16 @@ class World:
         init_dist: Create the default torch.distributed process group (needed for collective groups).
         init_rpc: Start the RPC backend (needed for RPC groups' calls).
         dist_backend: Backend of the process group (``"gloo"``, ``"nccl"``).
-        dist_init_method: Init method URL of the store and process group (default
-            ``tcp://MASTER_ADDR:MASTER_PORT``).
-        rpc_init_method: Init method URL of RPC (default: the same store, which is multi-tenant).
+        dist_init_method: Init method URL of the store and process group, in torch's forms:
+            ``"tcp://host:port"`` (machin's form; IPv6 hosts in brackets), ``"env://"`` (reads
+            ``MASTER_ADDR``/``MASTER_PORT``) or ``"file:///path"`` (a file every rank can open). Rank 0 serves
+            a ``tcp://``/``env://`` store on exactly that address unless torchrun's agent (or ``run_world``)
+            already serves it. A query may carry ``rank`` and ``world_size`` (used when those arguments are
+            -1). Default: ``tcp://MASTER_ADDR:MASTER_PORT`` (``addr`` before ``MASTER_ADDR``).
+        rpc_init_method: Where RPC meets, same forms. TensorPipe: the World's store when omitted or naming
+            the same address (the store is multi-tenant); another ``tcp://``/``env://`` address is a store of
+            RPC's own, which rank 0 serves on exactly that address; a ``file://`` URL goes to torch. c10d:
+            checked, then not used (its links meet on the World's store).
         dist_timeout: Seconds for the rendezvous, the store and every collective of the default group.
         rpc_timeout: Default seconds of each RPC and of :meth:`stop`.
         addr: The rendezvous address (host name or IP; default ``MASTER_ADDR``, else ``127.0.0.1``). A rank
@@ -88,12 +95,14 @@ class World:
     Raises:
         RuntimeError: If a World already exists in this process.
         TypeError: On arguments of the wrong type.
-        ValueError: On out-of-range arguments, duplicate member names, a ``dist_backend`` that is not a
-            backend of this torch build (the message lists the ones it has), or an ``rpc_backend`` that names
-            none (or TensorPipe on a build without RPC).
+        ValueError: On out-of-range arguments, a malformed init method, duplicate member names, a
+            ``dist_backend`` that is not a backend of this torch build (the message lists the ones it has),
+            an ``rpc_backend`` that names none (or TensorPipe on a build without RPC), or members that differ
+            in their RPC backend or process-group backend (or in ``init_rpc``/``init_dist``): every rank
+            raises it, naming each member's value, before any backend starts.
         TimeoutError: If the rendezvous address is unreachable or silent, or the other ranks do not join,
             within ``dist_timeout``.
-        OSError: If rank 0 cannot bind ``addr``.
+        OSError: If rank 0 cannot bind the rendezvous address (or the address of RPC's own store).
 
     Examples:
         >>> world = World(name="0")  # a one-process world on a free loopback port
@@ -159,7 +168,9 @@ class World:
             undo.append(self._ifenv.restore)
             self._conn = connect(self._spec, self.name, self.rank, self.world_size, self.dist_timeout)
             undo.append(self._drop_store)
-            self._names = publish_name(self._conn, self.name, self.rank, self.world_size, self.dist_timeout)
+            self._names = publish_name(
+                self._conn, self.name, self.rank, self.world_size, self.dist_timeout, self._settings()
+            )
             self._rank_of = {n: r for r, n in enumerate(self._names)}
             if self.init_dist:
                 pg_store = self._conn.pg_store(self.dist_timeout)
@@ -180,7 +191,7 @@ class World:
                     self.name,
                     self.rank,
                     self.world_size,
-                    self._conn.rpc_init_method(self._spec.dist_url, self.dist_timeout),
+                    self._conn.rpc_init_method(self._spec, self.name, self.dist_timeout),
                     self.rpc_timeout,
                     self.dist_timeout,
                     self.rpc_busy_poll,
@@ -192,6 +203,15 @@ class World:
                 except Exception as exc:  # pragma: no cover - best-effort undo
                     logger.debug("undo step %r failed: %r", step, exc)
             raise
+
+    def _settings(self) -> dict[str, str]:
+        """What every member must agree on, compared before anything starts (``publish_name``)."""
+        return {
+            "RPC backends": self.rpc_backend if self.init_rpc else "none (init_rpc=False)",
+            "process-group backends": (
+                self.dist_backend.replace(" ", "").lower() if self.init_dist else "none (init_dist=False)"
+            ),
+        }
 
     def _drop_store(self) -> None:
         conn, self._conn = self._conn, None

@@ -1,0 +1,47 @@
+"""Handing a live member's training state to the members that are behind, over the quorum's group.
+
+The state (the module's and the optimizer's ``state_dict`` and the committed step count) is serialised with
+``torch.save`` into a uint8 tensor; the source broadcasts its size, then the bytes. Every member of the
+quorum takes part (a broadcast is a collective); only the members named in ``sync`` load what they receive.
+No checkpoint file is written.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+from pc_distributed import _torch_dist
+
+__all__ = ["share_state"]
+
+
+def share_state(
+    group: Any, root: int, state: dict[str, Any] | None, device: torch.device, timeout: float
+) -> dict[str, Any]:
+    """Broadcast ``state`` from group rank ``root``; return it on every member.
+
+    Args:
+        group: The quorum's process group.
+        root: The source's group rank.
+        state: The state on the source, None elsewhere.
+        device: Where the group's tensors live (CPU for gloo).
+        timeout: Seconds of each of the two broadcasts.
+    """
+    if state is not None:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    _torch_dist.group_broadcast(group, size, root, timeout)
+    if state is None:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _torch_dist.group_broadcast(group, payload, root, timeout)
+    if state is not None:
+        return state
+    loaded: dict[str, Any] = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False)
+    return loaded

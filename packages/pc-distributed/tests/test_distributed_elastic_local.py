@@ -1,0 +1,325 @@
+"""ElasticDataParallel in one process: members as threads on one store, the sampler, argument checks.
+
+The members here are threads sharing a ``HashStore`` (gloo groups work between threads of one process), which
+tests the protocol (quorums, commits, joins, the minimum, the maximum, leaving) in seconds; killing and
+hanging processes is in ``test_distributed_elastic_world.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_elastic_testutils import (
+    make_model,
+    make_optimizer,
+    params,
+    replay,
+    run_threads,
+    shard_loss,
+)
+
+import pc_distributed as pd
+from pc_distributed import _torch_dist
+from pc_distributed.parallel.elastic import _connect
+
+pytestmark = pytest.mark.backends_inside
+
+FAST: dict[str, Any] = {"heartbeat_period": 0.1, "member_timeout": 10.0, "collective_timeout": 10.0}
+
+
+def _member(store: Any, name: str, steps: int, **kwargs: Any) -> dict[str, Any]:
+    model = make_model(name)
+    with pd.ElasticDataParallel(
+        model, make_optimizer(model), name=name, store=store, **{**FAST, **kwargs}
+    ) as edp:
+        while edp.step < steps:
+            edp.train_step(lambda ctx: shard_loss(model, ctx))
+        return {"params": params(model), "log": list(edp.quorum_log), "aborted": edp.aborted_attempts}
+
+
+def _assert_replay(results: dict[str, Any], log: list[Any]) -> None:
+    expected = replay(log)
+    for name, r in results.items():
+        for got, want in zip(r["params"], expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=f"member {name}")
+
+
+# -- the sampler ---
+
+
+def test_sampler_splits_each_step_exactly_and_covers_the_epoch() -> None:
+    s = pd.ElasticSampler(10, 4, seed=3)
+    assert s.steps_per_epoch == 2
+    assert sorted(s.permutation(0)) == list(range(10))
+    assert s.permutation(0) != s.permutation(1)  # a new order per epoch
+    assert s.permutation(1) == pd.ElasticSampler(10, 4, seed=3).permutation(1)  # a pure function
+    assert s.batch(2) == s.permutation(1)[:4]
+    assert s.epoch_of(3) == 1
+    # 4 samples over 3 members: runs of 2, 1, 1 in name order, whoever asks.
+    parts = [s.indices(5, ["c", "a", "b"], m) for m in ("a", "b", "c")]
+    assert [len(p) for p in parts] == [2, 1, 1]
+    assert [i for part in parts for i in part] == s.batch(5)
+
+
+@pytest.mark.parametrize("n_members", [1, 2, 3, 5, 7])
+def test_sampler_never_repeats_or_skips_within_an_epoch_whatever_the_members(n_members: int) -> None:
+    s = pd.ElasticSampler(50, 7, seed=1)
+    seen: list[int] = []
+    for step in range(s.steps_per_epoch):  # a different quorum every step
+        members = [f"m{i}" for i in range((step % n_members) + 1)]
+        for m in members:
+            seen += s.indices(step, members, m)
+    assert len(seen) == len(set(seen)) == s.steps_per_epoch * 7
+
+
+def test_sampler_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="num_samples"):
+        pd.ElasticSampler(3, 4)
+    with pytest.raises(TypeError, match="batch_size"):
+        pd.ElasticSampler(10, 2.0)  # type: ignore[arg-type]
+    s = pd.ElasticSampler(10, 2)
+    with pytest.raises(ValueError, match="not one of"):
+        s.indices(0, ["a"], "b")
+    with pytest.raises(ValueError, match="distinct"):
+        s.indices(0, ["a", "a"], "a")
+
+
+# -- the protocol, members as threads ---
+
+
+def test_members_train_in_step_and_equal_a_replay_of_their_log() -> None:
+    store = dist.HashStore()
+    names = ["0", "1", "2"]
+    out = run_threads(lambda n: _member(store, n, 6, initial_members=3), names)
+    for r in out.values():
+        assert not isinstance(r, BaseException), r
+    log = out["0"]["log"]
+    assert log == [(s, ("0", "1", "2")) for s in range(6)]
+    assert all(out[n]["log"] == log for n in names)
+    _assert_replay(out, log)
+
+
+def test_a_member_joining_later_receives_the_state_and_ends_equal() -> None:
+    store = dist.HashStore()
+    job_keys = _torch_dist.prefix_store("pc_elastic/default", store)
+
+    def body(name: str) -> dict[str, Any]:
+        if name == "late":
+            job_keys.wait(["committed"], timedelta(seconds=60))  # the others have trained at least a step
+            return _member(store, name, 8)
+        model = make_model(name)
+        kwargs = {**FAST, "initial_members": 2}
+        with pd.ElasticDataParallel(model, make_optimizer(model), name=name, store=store, **kwargs) as edp:
+
+            def compute(ctx: pd.StepContext) -> int:
+                if ctx.step == 2:  # hold step 2 until the late member is at a boundary (enlisted)
+                    job_keys.wait(["reg/2"], timedelta(seconds=60))
+                return shard_loss(model, ctx)
+
+            while edp.step < 8:
+                edp.train_step(compute)
+            return {"params": params(model), "log": list(edp.quorum_log)}
+
+    out = run_threads(body, ["a", "b", "late"])
+    for r in out.values():
+        assert not isinstance(r, BaseException), r
+    late = out["late"]["log"]
+    assert late, out
+    assert late[0][0] >= 2  # it entered mid-training
+    assert all("late" in m for _, m in out["a"]["log"][late[0][0] :])
+    _assert_replay(out, out["a"]["log"])
+
+
+def test_below_min_members_the_others_fail_with_a_timeout_naming_who_left() -> None:
+    store = dist.HashStore()
+
+    def body(name: str) -> Any:
+        model = make_model(name)
+        kwargs = {**FAST, "min_members": 3, "quorum_timeout": 3.0}
+        with pd.ElasticDataParallel(model, make_optimizer(model), name=name, store=store, **kwargs) as edp:
+
+            def compute(ctx: pd.StepContext) -> int:
+                if ctx.step == 2 and name == "c":
+                    raise KeyError("c fails")
+                return shard_loss(model, ctx)
+
+            while edp.step < 6:
+                edp.train_step(compute)
+
+    out = run_threads(body, ["a", "b", "c"])
+    assert isinstance(out["c"], KeyError)
+    for name in ("a", "b"):
+        assert isinstance(out[name], TimeoutError), out[name]
+        assert "at least 3 members" in str(out[name])
+        assert "'c'" in str(out[name])  # named among the dead or left
+
+
+def test_max_members_leaves_the_extra_member_waiting() -> None:
+    store = dist.HashStore()
+
+    def body(name: str) -> Any:
+        return _member(store, name, 4, initial_members=2, max_members=2, quorum_timeout=3.0)
+
+    out = run_threads(body, ["a", "b", "c"])
+    done = {n: r for n, r in out.items() if not isinstance(r, BaseException)}
+    waited = [n for n, r in out.items() if isinstance(r, BaseException)]
+    assert len(done) == 2, out
+    assert len(waited) == 1
+    assert isinstance(out[waited[0]], TimeoutError)  # the job went on without it, then ended
+    assert "no live member holds its state" in str(out[waited[0]])
+    log = next(iter(done.values()))["log"]
+    assert all(len(m) == 2 for _, m in log)
+    _assert_replay(done, log)
+
+
+def test_a_bad_weight_is_named_and_the_member_leaves() -> None:
+    store = dist.HashStore()
+    model = make_model("x")
+    edp = pd.ElasticDataParallel(model, make_optimizer(model), name="x", store=store, **FAST)
+    with pytest.raises(ValueError, match="positive weight"):
+        edp.train_step(lambda ctx: 0)
+    with pytest.raises(RuntimeError, match="closed"):
+        edp.train_step(lambda ctx: 1)
+
+
+def test_a_lost_store_is_a_connection_error() -> None:
+    server = _torch_dist.master_store("127.0.0.1", 0, 1, 10.0)
+    client = _torch_dist.tcp_store_client("127.0.0.1", _torch_dist.store_port(server), 10.0)
+    model = make_model("x")
+    edp = pd.ElasticDataParallel(
+        model, make_optimizer(model), name="x", store=client, store_timeout=5.0, **FAST
+    )
+    try:
+        edp.train_step(lambda ctx: shard_loss(model, ctx))
+        del server  # the store's server goes away
+        with pytest.raises((ConnectionError, TimeoutError), match="store"):
+            edp.train_step(lambda ctx: shard_loss(model, ctx))
+    finally:
+        edp.close()
+
+
+# -- arguments, the store's server, the capability check ---
+
+
+def test_the_store_must_be_served_by_an_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model("x")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ValueError, match="run under torchrun or run_world"):
+        pd.ElasticDataParallel(model, make_optimizer(model), name="x")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(ValueError, match="served by rank 0"):
+        pd.ElasticDataParallel(model, make_optimizer(model), name="x")
+    with pytest.raises(TypeError, match="store must be"):
+        pd.ElasticDataParallel(model, make_optimizer(model), name="x", store="tcp://127.0.0.1:1")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"name": "a/b"}, ValueError, "name"),
+        ({"name": "a", "job": ""}, ValueError, "job"),
+        ({"name": "a", "min_members": 0}, ValueError, "min_members"),
+        ({"name": "a", "min_members": 3, "max_members": 2}, ValueError, "max_members"),
+        ({"name": "a", "min_members": 2, "initial_members": 1}, ValueError, "initial_members"),
+        ({"name": "a", "heartbeat_period": 1.0, "member_timeout": 1.0}, ValueError, "member_timeout"),
+        ({"name": "a", "quorum_timeout": -1}, ValueError, "quorum_timeout"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    model = make_model("x")
+    with pytest.raises(error, match=match):
+        pd.ElasticDataParallel(model, make_optimizer(model), store=dist.HashStore(), **kwargs)
+
+
+def test_bad_module_optimizer_and_duplicate_names() -> None:
+    model, store = make_model("x"), dist.HashStore()
+    with pytest.raises(TypeError, match="module"):
+        pd.ElasticDataParallel("m", make_optimizer(model), name="a", store=store)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="optimizer"):
+        pd.ElasticDataParallel(model, "sgd", name="a", store=store)  # type: ignore[arg-type]
+    other = torch.optim.SGD(make_model("y").parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not module's"):
+        pd.ElasticDataParallel(model, other, name="a", store=store)
+    mixed = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double())
+    with pytest.raises(ValueError, match="one floating dtype"):
+        pd.ElasticDataParallel(mixed, torch.optim.SGD(mixed.parameters(), lr=0.1), name="a", store=store)
+    first = pd.ElasticDataParallel(model, make_optimizer(model), name="a", store=store, **FAST)
+    try:
+        with pytest.raises(ValueError, match="already used"):
+            pd.ElasticDataParallel(model, make_optimizer(model), name="a", store=store, **FAST)
+    finally:
+        first.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        first.train_step(lambda ctx: 1)
+
+
+def test_groups_need_gloo_both_branches(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _torch_dist.elastic_groups_available()  # this build has gloo
+    monkeypatch.setattr(_torch_dist, "_ProcessGroupGloo", None)
+    assert not _torch_dist.elastic_groups_available()
+    with pytest.raises(RuntimeError, match="no gloo"):
+        _torch_dist.quorum_group(dist.HashStore(), "q", 0, 1, 5.0)
+    model = make_model("x")
+    with pytest.raises(RuntimeError, match="no gloo"):
+        pd.ElasticDataParallel(model, make_optimizer(model), name="a", store=dist.HashStore())
+
+
+def test_quorum_records_round_trip() -> None:
+    from pc_distributed.parallel.elastic._quorum import Quorum
+
+    for members, sync in itertools.product([("a",), ("a", "b")], [(), ("b",)]):
+        q = Quorum(3, members, 5, "a", sync, 2)
+        assert Quorum.from_json(q.to_json()) == q
+    assert _connect.connect(dist.HashStore(), "j", 5.0).prefix == "pc_elastic/j"
+
+
+def _keys_after(steps: int) -> int:
+    store = dist.HashStore()
+    run_threads(lambda n: _member(store, n, steps, initial_members=2), ["a", "b"])
+    return int(store.num_keys())
+
+
+def test_the_store_keeps_a_bounded_window_of_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pc_distributed.parallel.elastic import _quorum
+
+    monkeypatch.setattr(_quorum, "RETAIN", 3)
+    short, long = _keys_after(8), _keys_after(28)
+    # Without forgetting, every attempt leaves its quorum, decision, ready and done keys (6 for 2 members):
+    # 20 more steps would leave 120 more keys. A stray abort may leave a few.
+    assert long - short < 20, (short, long)
+
+
+def test_a_member_whose_attempt_was_forgotten_enters_where_the_others_are(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pc_distributed.parallel.elastic import _quorum
+    from pc_distributed.parallel.elastic._membership import Membership
+
+    monkeypatch.setattr(_quorum, "RETAIN", 3)
+    stores = _connect.connect(dist.HashStore(), "j", 5.0)
+    membership = Membership(stores.beat, "late", 0.05, 0.5)
+    try:
+        membership.claim()
+        membership.enlist()
+        stores.store.set("latest", "10")  # the others decided attempt 10; attempt 7 and older are forgotten
+        with pytest.raises(_quorum.StaleAttempt, match="attempt 7 of elastic member 'late'"):
+            _quorum.form_quorum(stores, membership, 7, 4, 1, 1, 8, 5.0, 0.05)
+        assert not stores.store.check(["q/7"])  # it proposed nothing for the forgotten attempt
+        stores.store.set("latest", "9")  # attempt 7 is still in the window: a quorum is formed
+        quorum = _quorum.form_quorum(stores, membership, 7, 4, 1, 1, 8, 5.0, 0.05)
+        assert quorum.members == ("late",)
+        assert quorum.attempt == 7
+        _quorum.forget(stores, 7, ["late"])
+        assert not stores.store.check(["q/7"])
+        assert not stores.store.check(["ready/7/late"])
+    finally:
+        membership.stop()
+        stores.close()
