@@ -40,6 +40,7 @@ __all__ = [
     "doc_files",
     "parse_blocks",
     "run_script",
+    "run_under_torchrun",
     "scripts",
 ]
 
@@ -252,3 +253,34 @@ def run_script(source: str, directory: Path, timeout: float) -> subprocess.Compl
     script.write_text(source, encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return run_group([sys.executable, script.name], cwd=directory, env=env, timeout=timeout)
+
+
+def run_under_torchrun(
+    guide: Path, name: str, directory: Path, nproc: int = 2, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """Run the one block of ``guide`` that starts with ``# <name>`` under ``torchrun --standalone``.
+
+    The script is taken from the page itself, so a guide and its test cannot drift apart. torchrun's agent
+    serves the rendezvous on loopback on a free port; the rendezvous variables of the test's own environment
+    are dropped, so that every rank reads the ones torchrun sets.
+
+    Raises:
+        AssertionError: The page holds no such block, or more than one.
+        subprocess.TimeoutExpired: The run took longer than ``timeout`` seconds (its group is killed).
+    """
+    wanted = f"# {name}"
+    blocks = [b for b in parse_blocks(guide) if b.lang == "python" and b.code.startswith(wanted)]
+    assert len(blocks) == 1, f"{guide} should hold exactly one {wanted!r} block, found {len(blocks)}"
+    (directory / name).write_text(blocks[0].code)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        name,
+    ]
+    rendezvous = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    return run_group(command, cwd=directory, env=env, timeout=timeout)

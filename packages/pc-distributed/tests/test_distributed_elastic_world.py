@@ -11,38 +11,16 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-import psutil
 import pytest
 import torch
 from distributed_elastic_testutils import elastic_worker, replay
+from distributed_testutils import Children
 
 import pc_distributed as pd
 
 pytestmark = [pytest.mark.slow, pytest.mark.backends_inside]
 
 STEPS = 8
-_EARLIER: set[int] = set()
-
-
-@pytest.fixture(autouse=True)
-def _children_before_the_test() -> None:
-    _EARLIER.clear()
-    _EARLIER.update(child.pid for child in psutil.Process().children(recursive=True))
-
-
-def _our_children() -> list[psutil.Process]:
-    out = []
-    for child in psutil.Process().children(recursive=True):
-        if child.pid in _EARLIER:
-            continue
-        try:
-            cmd = " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        if "resource_tracker" in cmd or "forkserver" in cmd:
-            continue
-        out.append(child)
-    return out
 
 
 def _run(world_size: int, faults: dict[tuple[int, str], str], spawn_at: int | None = None) -> Any:
@@ -81,6 +59,7 @@ def _survivors(error: BaseException) -> list[dict[str, Any]]:
 
 
 def test_a_worker_killed_inside_a_step_and_two_failures_in_a_row() -> None:
+    kids = Children()
     # Member "3" is SIGKILLed inside step 2 (after the quorum formed, before its all-reduce), member "2"
     # inside the re-run of step 2 or a later step it trains: two failures in a row. The others go on.
     faults = {(2, "3"): "kill", (2, "2"): "kill", (3, "2"): "kill"}
@@ -93,10 +72,11 @@ def test_a_worker_killed_inside_a_step_and_two_failures_in_a_row() -> None:
     assert all(set(m) == {"0", "1"} for s, m in log if s > 2), log  # the dead never train again
     assert all(r["aborted"] >= 1 for r in survivors)  # the step each died in was aborted, then re-run
     _assert_equal_to_replay(survivors, log)
-    assert _our_children() == []
+    assert kids.new() == []
 
 
 def test_a_hung_worker_is_treated_as_dead_and_rejoins_when_resumed() -> None:
+    kids = Children()
     # Member "2" stops (SIGSTOP) inside step 3: the others' reduction fails or times out (collective_timeout),
     # the attempt is aborted, its heartbeat is silent, so the next quorums leave it out. Member "0" resumes
     # it (SIGCONT) in step 5: it finds its attempt aborted, is behind, and re-enters with the state.
@@ -107,10 +87,11 @@ def test_a_hung_worker_is_treated_as_dead_and_rejoins_when_resumed() -> None:
     assert resumed[-1] == (STEPS - 1, ("0", "1", "2"))  # back in by the end
     assert sum(r["aborted"] for r in results) >= 1
     _assert_equal_to_replay(results, log)
-    assert _our_children() == []
+    assert kids.new() == []
 
 
 def test_a_new_process_joins_mid_training_and_ends_equal() -> None:
+    kids = Children()
     # Member "0" starts a brand-new process (member "new") in step 2; it registers, enters at a step boundary,
     # receives the model, the optimizer's momentum and the step count from a live member, and trains on.
     results = _run(2, {}, spawn_at=2)
@@ -122,4 +103,4 @@ def test_a_new_process_joins_mid_training_and_ends_equal() -> None:
     assert joined["log"][0][0] > 2  # it entered mid-training
     assert all("new" in m for s, m in log if s >= joined["log"][0][0])
     _assert_equal_to_replay(everyone, log)
-    assert _our_children() == []
+    assert kids.new() == []

@@ -17,34 +17,9 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from distributed_testutils import fork_unless_cuda
+from distributed_testutils import Children, fork_unless_cuda
 
 import pc_distributed as pd
-
-_EARLIER: set[int] = set()
-
-
-@pytest.fixture(autouse=True)
-def _children_before_the_test() -> None:
-    """Children this process already had (other suites' session-scoped pools in one pytest run)."""
-    _EARLIER.clear()
-    _EARLIER.update(child.pid for child in psutil.Process().children(recursive=True))
-
-
-def _our_children() -> list[psutil.Process]:
-    """Children the test started, except multiprocessing's own helpers (resource tracker, forkserver)."""
-    out = []
-    for child in psutil.Process().children(recursive=True):
-        if child.pid in _EARLIER:
-            continue
-        try:
-            cmd = " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        if "resource_tracker" in cmd or "forkserver" in cmd:
-            continue
-        out.append(child)
-    return out
 
 
 def slow_echo(seconds: float) -> str:
@@ -79,6 +54,7 @@ def _peer_death(rank: int, out_dir: str) -> str:
 
 
 def test_peer_killed_mid_collective_and_mid_rpc(tmp_path: Path) -> None:
+    kids = Children()
     # Event order, no clock: rank 2 dies while serving rank 1's 25 s call and while rank 0 waits in an
     # all_reduce. Each survivor must see an error (not the call's result) and then return from stop(), which
     # the report files prove: a rank stuck in stop would be killed after the grace period without writing one.
@@ -101,7 +77,7 @@ def test_peer_killed_mid_collective_and_mid_rpc(tmp_path: Path) -> None:
         assert "result" not in obs, f"rank {rank} got the dead peer's result: {obs}"
         assert obs["world_after_stop"] is None
     assert info.value.run_world_results == {0: "done", 1: "done"}  # type: ignore[attr-defined]
-    assert _our_children() == []
+    assert kids.new() == []
 
 
 # -- run_world's own failure handling (fork, store-only worlds) ---
@@ -155,11 +131,12 @@ def test_run_world_returns_tensors_by_value() -> None:
 
 
 def test_run_world_failure_carries_the_survivors_results() -> None:
+    kids = Children()
     with pytest.raises(pd.RankDiedError, match="SIGKILL") as info:
         pd.run_world(_rank_one_killed, 3, timeout=60, **_FAST)
     assert info.value.rank == 1
     assert info.value.run_world_results == {0: 0, 2: 20}  # type: ignore[attr-defined]
-    assert _our_children() == []
+    assert kids.new() == []
 
 
 def test_run_world_reraises_the_original_type_naming_the_rank() -> None:
@@ -189,6 +166,7 @@ def test_an_error_does_not_hold_up_the_other_ranks_stop() -> None:
 
 
 def test_run_world_reports_a_dead_rank_promptly() -> None:
+    kids = Children()
     # RankDiedError, not run_world's TimeoutError (the 120 s deadline); rank 1 was killed after the 1 s grace
     # period rather than waited for (its 60 s wait would have returned a result).
     with pytest.raises(pd.RankDiedError, match="exited with code 7") as info:
@@ -196,13 +174,14 @@ def test_run_world_reports_a_dead_rank_promptly() -> None:
     assert (info.value.rank, info.value.exitcode) == (0, 7)
     assert info.value.run_world_results == {}  # type: ignore[attr-defined]
     assert "were killed after the failure of rank 0" in " ".join(getattr(info.value, "__notes__", []))
-    assert _our_children() == []
+    assert kids.new() == []
 
 
 def test_run_world_timeout_kills_and_names_the_running_ranks() -> None:
+    kids = Children()
     with pytest.raises(TimeoutError, match=r"ranks still running: \[0\]"):
         pd.run_world(_rank_zero_hangs, 2, timeout=3, **_FAST)
-    assert _our_children() == []
+    assert kids.new() == []
 
 
 def test_run_world_bad_arguments() -> None:

@@ -211,6 +211,7 @@ def serve_store(host: str, port: int, fd: int, world_size: int, timeout: float) 
 
 
 # Whether this torch's default (libuv) TCPStore server refuses a listening descriptor; None until first tried.
+# No lock: two threads that find out at once find the same answer and store it twice.
 _listen_fd_needs_legacy: bool | None = None
 
 

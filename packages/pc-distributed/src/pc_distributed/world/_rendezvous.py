@@ -16,6 +16,7 @@ or an abort, on some ranks. Every rank reads the same table, so every rank raise
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -35,13 +36,13 @@ __all__ = ["Connection", "connect", "publish_name"]
 logger = logging.getLogger(__name__)
 
 _PREFIX = "pc_distributed"
-_EPOCH = 0
+# The Worlds this process has made, numbered from 1. A counter's next() is one atomic step under the GIL, so
+# two threads that make Worlds at once (the second one is then refused) never get the same number.
+_EPOCHS = itertools.count(1)
 
 
 def _next_epoch() -> int:
-    global _EPOCH
-    _EPOCH += 1
-    return _EPOCH
+    return next(_EPOCHS)
 
 
 @dataclass
