@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.backends_inside
+
 BACKENDS = ["tensorpipe", "c10d"]
 # Seconds every run of the forms gets (a start costs seconds; far below pytest's per-test timeout).
 RUN_TIMEOUT = 120.0
@@ -40,8 +42,6 @@ import sys
 import torch
 
 import pc_distributed as pd
-
-pytestmark = pytest.mark.backends_inside
 
 
 def exchange(world):
