@@ -148,7 +148,12 @@ SCENARIOS = [
 ]
 
 
-def _nested(rank: int) -> dict[str, Any]:
+def _nested(rank: int, part: str) -> dict[str, Any]:
+    """Member ``rank``'s side of the chains (``part="chains"``) or of the filled pool (``"pool"``).
+
+    The two run in worlds of their own: handlers of a chain may still wait for their own calls after the
+    chain's outermost call ended, and would hold threads the filled pool's calls expect to find free.
+    """
     torch.set_num_threads(1)
     world = pd.get_world()
     assert world is not None
@@ -158,25 +163,24 @@ def _nested(rank: int) -> dict[str, Any]:
         group.register("add", add)
     group.barrier(timeout=30)
     out: dict[str, Any] = {"backend": world.rpc_backend}
-    if rank == 0:
+    if rank == 0 and part == "chains":
         for how, threads, depth in SCENARIOS:
             label = f"{how} x{threads} depth {depth}"
             out[label] = _in_threads(group, how, threads, depth)
             # once the chain has drained (the handlers' own calls time out too), the World works again
             out[f"{label}: then"] = _outcome(lambda: group.rpc_sync("1", add, timeout=LIVENESS, args=(2, 3)))
-    group.barrier(timeout=LIVENESS * len(SCENARIOS) * 2)
     holds = [
         threading.Thread(target=_outcome, args=(lambda: group.rpc_sync("0", hold, timeout=2 * LIVENESS),))
-        for _ in range(HOLDS if rank == 1 else 0)
+        for _ in range(HOLDS if rank == 1 and part == "pool" else 0)
     ]
     for thread in holds:
         thread.start()
-    if rank == 0:
+    if rank == 0 and part == "pool":
         out["filled pool"] = _filled_pool(group, world.rpc_backend)
         out["filled pool: then"] = _outcome(lambda: group.rpc_sync("1", add, timeout=LIVENESS, args=(2, 3)))
     for thread in holds:
         thread.join(3 * LIVENESS)
-    group.barrier(timeout=3 * LIVENESS)
+    group.barrier(timeout=LIVENESS * len(SCENARIOS) * 2)
     group.destroy()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -185,14 +189,29 @@ def _nested(rank: int) -> dict[str, Any]:
     return out
 
 
+def _world_of(part: str, backend: str) -> dict[str, Any]:
+    out = pd.run_world(
+        _nested,
+        2,
+        args=(part,),
+        timeout=170,
+        start_method=fork_unless_cuda(),
+        rpc_timeout=30,
+        rpc_backend=backend,
+    )
+    assert out[1]["backend"] == backend
+    assert out[1]["stop warnings"] == []
+    return {"backend": backend, **out[0]}
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def nested(request: pytest.FixtureRequest) -> dict[str, Any]:
-    out = pd.run_world(
-        _nested, 2, timeout=170, start_method=fork_unless_cuda(), rpc_timeout=30, rpc_backend=request.param
-    )
-    assert out[1]["backend"] == request.param
-    assert out[1]["stop warnings"] == []
-    return {"backend": request.param, **out[0]}
+    return _world_of("chains", request.param)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def pool(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return _world_of("pool", request.param)
 
 
 def _is_the_callee_timeout(outcome: tuple[str, str, float] | None) -> bool:
@@ -230,21 +249,24 @@ def test_threads_each_starting_a_chain_end_in_time(nested: dict[str, Any]) -> No
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["rpc_sync", "rpc_async", "remote", "registered_async"])
-def test_a_call_ends_at_its_deadline_while_the_callers_pool_is_full(nested: dict[str, Any], how: str) -> None:
-    held = nested["filled pool"]
-    assert held["filled"], nested["backend"]
+def test_a_call_ends_at_its_deadline_while_the_callers_pool_is_full(pool: dict[str, Any], how: str) -> None:
+    held = pool["filled pool"]
+    assert held["filled"], pool["backend"]
     outcome = held[how]
-    assert outcome is not None, (nested["backend"], how)  # it returned (before the pool was released)
-    if nested["backend"] == "tensorpipe":  # "1" answered, but "0" had no thread to take the reply
+    assert outcome is not None, (pool["backend"], how)  # it returned (before the pool was released)
+    if pool["backend"] == "tensorpipe":  # "1" answered, but "0" had no thread to take the reply
         assert _is_the_callee_timeout(outcome), outcome
     else:
         assert outcome[:2] == ("ok", "5"), outcome
-    assert nested["filled pool: then"][:2] == ("ok", "5"), nested["filled pool: then"]
+    assert pool["filled pool: then"][:2] == ("ok", "5"), pool["filled pool: then"]
 
 
 @pytest.mark.slow
-def test_the_world_stops_cleanly_after_the_chains(nested: dict[str, Any]) -> None:
+def test_the_worlds_stop_cleanly_after_the_chains_and_the_filled_pool(
+    nested: dict[str, Any], pool: dict[str, Any]
+) -> None:
     assert nested["stop warnings"] == []
+    assert pool["stop warnings"] == []
 
 
 # -- long timeouts ------------------------------------------------------------------------------------------
