@@ -36,16 +36,22 @@ def randomize(module: nn.Module, gen: torch.Generator) -> None:
                 t.copy_(values)
 
 
-def bn_pair(
-    ref_cls: type[nn.Module], num_features: int, dtype: torch.dtype, seed: int = 0, **kwargs: Any
-) -> tuple[nn.Module, nn.Module]:
-    """A torch batch norm with random state and its synchronized twin with the same state."""
-    gen = torch.Generator().manual_seed(seed)
+def reference_bn(ref_cls: type[nn.Module], num_features: int, dtype: torch.dtype, **kwargs: Any) -> nn.Module:
+    """torch's batch norm with ``kwargs``; ``bias=False`` also on a torch whose layer does not take it."""
     ref_kwargs = dict(kwargs)
     drop_bias = not _TORCH_BN_TAKES_BIAS and ref_kwargs.pop("bias", True) is False
     ref = ref_cls(num_features, dtype=dtype, **ref_kwargs)
     if drop_bias:  # torch before the ``bias`` switch (2.11): a bias-free reference by hand
         ref.register_parameter("bias", None)
+    return ref
+
+
+def bn_pair(
+    ref_cls: type[nn.Module], num_features: int, dtype: torch.dtype, seed: int = 0, **kwargs: Any
+) -> tuple[nn.Module, nn.Module]:
+    """A torch batch norm with random state and its synchronized twin with the same state."""
+    gen = torch.Generator().manual_seed(seed)
+    ref = reference_bn(ref_cls, num_features, dtype, **kwargs)
     randomize(ref, gen)
     ours = SYNC_OF[ref_cls](num_features, dtype=dtype, **kwargs)
     ours.load_state_dict(ref.state_dict())

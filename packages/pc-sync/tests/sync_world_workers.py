@@ -92,15 +92,15 @@ def compare_layer(
     for all) runs the layer on the fused kernels' stand-ins (``pc_sync._torch_bn``) on any device; the result
     then counts their calls under ``"kernel_calls"``.
     """
+    from sync_testutils import CountingKernels, reference_bn
+
     wrapped = replicas if isinstance(replicas, int) else replicas[rank]
     kernels = None
     if fused if isinstance(fused, bool) else fused[rank]:
-        from sync_testutils import CountingKernels
-
         kernels = CountingKernels()
     gen = torch.Generator().manual_seed(seed)
     channels = shape[1]
-    ref = REF_OF_DIM[len(shape)](channels, dtype=torch.float64, **kwargs)
+    ref = reference_bn(REF_OF_DIM[len(shape)], channels, torch.float64, **kwargs)
     _randomize(ref, gen)
     ours = pc_sync.SyncBatchNorm(channels, dtype=torch.float64, **kwargs)
     ours.load_state_dict(ref.state_dict())
