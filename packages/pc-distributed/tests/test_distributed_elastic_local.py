@@ -306,15 +306,16 @@ def test_a_member_whose_attempt_was_forgotten_enters_where_the_others_are(
     monkeypatch.setattr(_quorum, "RETAIN", 3)
     stores = _connect.connect(dist.HashStore(), "j", 5.0)
     membership = Membership(stores.beat, "late", 0.05, 0.5)
+    rules = _quorum.QuorumRules(min_members=1, initial_members=1, max_members=8, timeout=5.0, period=0.05)
     try:
         membership.claim()
         membership.enlist()
         stores.store.set("latest", "10")  # the others decided attempt 10; attempt 7 and older are forgotten
         with pytest.raises(_quorum.StaleAttempt, match="attempt 7 of elastic member 'late'"):
-            _quorum.form_quorum(stores, membership, 7, 4, 1, 1, 8, 5.0, 0.05)
+            _quorum.form_quorum(stores, membership, 7, 4, rules)
         assert not stores.store.check(["q/7"])  # it proposed nothing for the forgotten attempt
         stores.store.set("latest", "9")  # attempt 7 is still in the window: a quorum is formed
-        quorum = _quorum.form_quorum(stores, membership, 7, 4, 1, 1, 8, 5.0, 0.05)
+        quorum = _quorum.form_quorum(stores, membership, 7, 4, rules)
         assert quorum.members == ("late",)
         assert quorum.attempt == 7
         _quorum.forget(stores, 7, ["late"])

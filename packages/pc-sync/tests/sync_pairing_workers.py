@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from sync_world_workers import compare_layer
+from sync_world_workers import compare_layer, layer_cases
 
 import pc_sync
 
@@ -100,16 +100,7 @@ def fused_grid_world(rank: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     sizes = [3, 0, 5, 2]
     n = sum(sizes)
-    cases: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
-        "2d": ((n, 4), {}),
-        "3d": ((n, 3, 5), {"momentum": None}),
-        "4d": ((n, 3, 4, 5), {}),
-        "5d": ((n, 2, 3, 2, 4), {}),
-        "4d_channels_last": ((n, 3, 4, 5), {"channels_last": True}),
-        "affine_false": ((n, 3, 4), {"affine": False}),
-        "no_running_stats": ((n, 3, 4), {"track_running_stats": False}),
-        "bias_false": ((n, 3, 4), {"bias": False}),
-    }
+    cases = {**layer_cases(n), "bias_false": ((n, 3, 4), {"bias": False})}
     out: dict[str, Any] = {}
     for i, (name, (shape, kwargs)) in enumerate(cases.items()):
         out[name] = compare_layer(rank, sizes, shape, seed=700 + i, fused=True, **kwargs)

@@ -70,6 +70,19 @@ def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     )  # either may be on a GPU
 
 
+def layer_cases(n: int) -> dict[str, tuple[tuple[int, ...], dict[str, Any]]]:
+    """The layer configurations the process grids run: name -> (global batch shape of ``n`` rows, kwargs)."""
+    return {
+        "2d": ((n, 4), {}),
+        "3d": ((n, 3, 5), {"momentum": None}),
+        "4d": ((n, 3, 4, 5), {}),
+        "5d": ((n, 2, 3, 2, 4), {}),
+        "4d_channels_last": ((n, 3, 4, 5), {"channels_last": True}),
+        "affine_false": ((n, 3, 4), {"affine": False}),
+        "no_running_stats": ((n, 3, 4), {"track_running_stats": False}),
+    }
+
+
 def compare_layer(
     rank: int,
     sizes: list[int],
@@ -172,15 +185,7 @@ def grid_world(rank: int) -> dict[str, Any]:
     sizes = [3, 0, 5, 2]
     n = sum(sizes)
     out: dict[str, Any] = {"widening": _widening(rank)}  # first: the group's exchanges are as wide as 9 after
-    cases: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
-        "2d": ((n, 4), {}),
-        "3d": ((n, 3, 5), {"momentum": None}),
-        "4d": ((n, 3, 4, 5), {}),
-        "5d": ((n, 2, 3, 2, 4), {}),
-        "4d_channels_last": ((n, 3, 4, 5), {"channels_last": True}),
-        "affine_false": ((n, 3, 4), {"affine": False}),
-        "no_running_stats": ((n, 3, 4), {"track_running_stats": False}),
-    }
+    cases = layer_cases(n)
     for i, (name, (shape, kwargs)) in enumerate(cases.items()):
         out[name] = compare_layer(rank, sizes, shape, seed=100 + i, **kwargs)
     out["even"] = compare_layer(rank, [2, 2, 2, 2], (8, 3, 3, 3), seed=7)

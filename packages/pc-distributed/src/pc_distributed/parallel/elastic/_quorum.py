@@ -44,7 +44,16 @@ from pc_distributed._transport import is_connection_loss
 from pc_distributed.parallel.elastic._connect import ElasticStores
 from pc_distributed.parallel.elastic._membership import Membership
 
-__all__ = ["RETAIN", "Quorum", "StaleAttempt", "decide", "forget", "form_quorum", "start_attempt"]
+__all__ = [
+    "RETAIN",
+    "Quorum",
+    "QuorumRules",
+    "StaleAttempt",
+    "decide",
+    "forget",
+    "form_quorum",
+    "start_attempt",
+]
 
 COMMIT = "commit"
 ABORT = "abort"
@@ -95,6 +104,27 @@ class Quorum:
         """Parse the stored form."""
         d = json.loads(text)
         return cls(d["attempt"], tuple(d["members"]), d["step"], d["source"], tuple(d["sync"]), d["group"])
+
+
+@dataclass(frozen=True)
+class QuorumRules:
+    """What a quorum may be and how long members wait for one (the trainer's settings, validated there).
+
+    Attributes:
+        min_members: Fewest members a quorum may have.
+        initial_members: Fewest members the job's first quorum (no member has trained yet) may have.
+        max_members: Most members a quorum may have.
+        timeout: Seconds to wait for missing live members (and, below ``min_members``, for anyone).
+        period: Seconds of each wait for missing members' keys before the liveness view is read again (the
+            member timeout: a wait that times out costs torch a reconnection and a warning, so the waits are
+            as long as liveness allows).
+    """
+
+    min_members: int
+    initial_members: int
+    max_members: int
+    timeout: float
+    period: float
 
 
 def start_attempt(stores: ElasticStores) -> int:
@@ -159,11 +189,7 @@ def form_quorum(
     membership: Membership,
     attempt: int,
     version: int,
-    min_members: int,
-    initial_members: int,
-    max_members: int,
-    timeout: float,
-    period: float,
+    rules: QuorumRules,
     known: tuple[Quorum, bool] | None = None,
 ) -> Quorum:
     """Enter ``attempt``'s step boundary and return its decided quorum (which may not include this member).
@@ -173,19 +199,17 @@ def form_quorum(
         membership: The liveness view.
         attempt: The attempt's number.
         version: This member's committed step count (-1 before its first synchronisation).
-        min_members: Fewest members a quorum may have.
-        initial_members: Fewest members the job's first quorum (no member has trained yet) may have.
-        max_members: Most members a quorum may have.
-        timeout: Seconds to wait for missing live members (and, below ``min_members``, for anyone).
+        rules: The quorum's size limits and waits.
         known: This member's last quorum and whether it committed (saves reading it back from the store).
-        period: Seconds of each wait for missing members' keys before the liveness view is read again
-            (the member timeout: a wait that times out costs torch a reconnection and a warning, so the
-            waits are as long as liveness allows).
 
     Raises:
-        TimeoutError: If fewer than ``min_members`` are ready after ``timeout``, naming who is missing.
+        TimeoutError: If fewer than ``rules.min_members`` are ready after ``rules.timeout``, naming who is
+            missing.
         ConnectionError: If the store is lost.
+        StaleAttempt: If the attempt was decided and forgotten while this member was away.
     """
+    min_members, initial_members, max_members = rules.min_members, rules.initial_members, rules.max_members
+    timeout, period = rules.timeout, rules.period
     me = membership.name
     store = stores.store
     store.set(f"ready/{attempt}/{me}", str(version))

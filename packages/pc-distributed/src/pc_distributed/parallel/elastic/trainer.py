@@ -33,7 +33,14 @@ from pc_distributed import _torch_dist
 from pc_distributed._checks import int_at_least, positive_seconds
 from pc_distributed.parallel.elastic._connect import connect
 from pc_distributed.parallel.elastic._membership import Membership
-from pc_distributed.parallel.elastic._quorum import Quorum, StaleAttempt, decide, form_quorum, start_attempt
+from pc_distributed.parallel.elastic._quorum import (
+    Quorum,
+    QuorumRules,
+    StaleAttempt,
+    decide,
+    form_quorum,
+    start_attempt,
+)
 from pc_distributed.parallel.elastic._state import share_state
 
 __all__ = ["ElasticDataParallel", "QuorumEntry", "StepContext"]
@@ -200,6 +207,9 @@ class ElasticDataParallel:
         self._closed = False
         self._log: list[QuorumEntry] = []
         self._last: tuple[Quorum, bool] | None = None  # this member's last attempt and its decision
+        self._rules = QuorumRules(
+            self.min_members, self.initial_members, self.max_members, self.quorum_timeout, self.member_timeout
+        )
         self._forgotten: int | None = None  # the last attempt whose keys this member deleted as a source
         self.aborted_attempts = 0
 
@@ -246,18 +256,7 @@ class ElasticDataParallel:
             self._membership.enlist()
             self._enlisted = True
         try:
-            quorum = form_quorum(
-                self._stores,
-                self._membership,
-                a,
-                self._version,
-                self.min_members,
-                self.initial_members,
-                self.max_members,
-                self.quorum_timeout,
-                self.member_timeout,
-                self._last,
-            )
+            quorum = form_quorum(self._stores, self._membership, a, self._version, self._rules, self._last)
         except StaleAttempt:  # stopped or cut off past the store's window: enter where the others are
             self._attempt = start_attempt(self._stores)
             self._enlisted = False
