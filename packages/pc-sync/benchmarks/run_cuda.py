@@ -4,8 +4,10 @@ Run from the repository root: ``python packages/pc-sync/benchmarks/run_cuda.py [
 Measures one training step (forward + backward) and one eval forward of ``SynchronizedBatchNorm2d`` alone and
 inside ``ReplicationCallbackDataParallel`` with one replica (``device_ids=[0]``) and with two replicas on one
 GPU (``[0, 0]``: the replicas synchronise their statistics), against ``nn.BatchNorm2d`` alone and inside
-``nn.DataParallel`` with the same device ids, interleaved in one process. Cross-GPU replicas need two
-devices: not measured on a one-GPU machine. Without a CUDA device it writes a report holding only a note.
+``nn.DataParallel`` with the same device ids, interleaved in one process; then a small network, three
+(conv 3x3, batch norm, ReLU) blocks, in two replicas on one GPU against ``nn.DataParallel`` with
+``nn.BatchNorm2d``. Cross-GPU replicas need two devices: not measured on a one-GPU machine. Without a CUDA
+device it writes a report holding only a note.
 """
 
 from __future__ import annotations
@@ -31,6 +33,43 @@ def _train_step(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable
         module(x).backward(g)
 
     return step
+
+
+def _net(norm: Callable[[int], nn.Module], channels: int = 64) -> nn.Sequential:
+    """Three (conv 3x3, batch norm, ReLU) blocks: where the step's time is not all batch norm."""
+    blocks: list[nn.Module] = []
+    for _ in range(3):
+        blocks += [nn.Conv2d(channels, channels, 3, padding=1, bias=False), norm(channels), nn.ReLU()]
+    return nn.Sequential(*blocks)
+
+
+def _net_rows(report: Report, repeat: int, number: int) -> None:
+    shape = (32, 64, 28, 28)
+    label = "x".join(map(str, shape))
+    x = torch.randn(shape, device="cuda", requires_grad=True)
+    g = torch.randn(shape, device="cuda")
+    torch.manual_seed(0)
+    ours = ReplicationCallbackDataParallel(_net(SynchronizedBatchNorm2d).cuda(), device_ids=[0, 0])
+    plain = nn.DataParallel(_net(nn.BatchNorm2d).cuda(), device_ids=[0, 0])
+    t = interleaved_min(
+        {
+            "3x(conv, SyncBN2d, ReLU) in ReplicationCallbackDataParallel[0, 0]": _train_step(ours, x, g),
+            "3x(conv, BatchNorm2d, ReLU) in nn.DataParallel[0, 0]": _train_step(plain, x, g),
+        },
+        repeat,
+        number,
+        sync=torch.cuda.synchronize,
+    )
+    for name, value in t.items():
+        case = f"(cuda) train step, 3-block net, {label}"
+        report.row(case, name, value, baseline="nn.DataParallel" in name)
+    ours_t, plain_t = t.values()
+    report.target(
+        f"(cuda) 3x(conv, BN, ReLU), two replicas on one GPU vs nn.DataParallel[0, 0], {label}",
+        ours_t / plain_t,
+        "<=",
+        1.1,
+    )
 
 
 def main() -> None:
@@ -97,6 +136,7 @@ def main() -> None:
             t = interleaved_min(evals, repeat, number, sync=torch.cuda.synchronize)
         for name, value in t.items():
             report.row(f"(cuda) eval {label}", name, value, baseline=(name == "BatchNorm2d"))
+    _net_rows(report, repeat, number // 2)
     if torch.cuda.device_count() < 2:
         report.note(
             "not measured with one GPU: cross-GPU replicas (torch.nn.SyncBatchNorm under DDP: "

@@ -108,9 +108,24 @@ def test_stand_ins_compute_what_the_operators_compute(
         out[kernels.name] = [*stats[0], mean, invstd, *running, y, sum_dy, sum_dy_xmu, gw, gb, dx]
     names = ["mean0", "invstd0", "mean", "invstd", "running_mean", "running_var", "y", "sum_dy", "sum_dy_xmu"]
     names += ["grad_weight", "grad_bias", "dx"]
+    # A per-channel sum can cancel to near zero, so its error is bounded by the size of its terms (float64):
+    # the kernels may accumulate in another order (16-bit inputs: in lower precision) than the stand-in.
+    x64, dy64 = parts[0].double(), dy.double()
+    mean64 = x64.mean(dim=[0, 2, 3], keepdim=True)
+    term_size = {
+        "sum_dy": dy64.abs().sum(dim=[0, 2, 3]),
+        "sum_dy_xmu": (dy64 * (x64 - mean64)).abs().sum(dim=[0, 2, 3]),
+    }
+    term_size["grad_bias"] = term_size["sum_dy"]
+    term_size["grad_weight"] = term_size["sum_dy_xmu"] * out["torch"][3].double()
     for name, real, stand_in in zip(names, out["torch"], out["reference"], strict=True):
         assert stand_in.dtype == real.dtype, name
-        assert_close(stand_in.float(), real.float(), **tol, msg=name)
+        if name in term_size:
+            slack = (stand_in.double() - real.double()).abs() - tol["rtol"] * term_size[name]
+            bad = bool((slack > tol["atol"]).any())
+            assert not bad, f"{name}: {stand_in} vs {real} (size of the terms: {term_size[name]})"
+        else:
+            assert_close(stand_in.float(), real.float(), **tol, msg=name)
     assert out["reference"][-1].dtype == dtype
 
 
