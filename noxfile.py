@@ -405,8 +405,14 @@ def soak(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("rpc_backend", ["tensorpipe", "c10d"])
 def multihost(session: nox.Session, rpc_backend: str) -> None:
-    """pc-distributed across simulated hosts (network namespaces, torchrun) on one RPC backend; needs root."""
+    """pc-distributed across simulated hosts (network namespaces, torchrun) on one RPC backend; needs root.
+
+    The elastic trainer's tests (it makes no RPC calls) run in the TensorPipe run only.
+    """
     _install(session, *PACKAGES, *TEST_TOOLS, editable=True)
     _check_torch_build(session)
     session.env["PC_RPC_BACKEND"] = rpc_backend
-    _pytest(session, "tests-integration/test_integration_multihost.py", marker="multihost")
+    suites = ["tests-integration/test_integration_multihost.py"]
+    if rpc_backend == "tensorpipe":
+        suites.append("tests-integration/test_integration_elastic_multihost.py")
+    _pytest(session, *suites, marker="multihost")

@@ -14,6 +14,7 @@ CI timeout) cannot clean up: the next :class:`SimHosts` removes the namespaces o
 
 Fault helpers: :meth:`SimHosts.cut` / :meth:`SimHosts.heal` take a host's switch port down / up (its cable
 pulled: the host's ``eth0`` loses carrier, its packets go nowhere and nobody's reach it);
+:meth:`SimHosts.partition` moves some hosts' ports to a second bridge (two sides that each still talk);
 :meth:`SimHosts.kill_host` SIGKILLs every process of a host; :meth:`TorchrunJob.kill_workers` only its
 torchrun's workers (the agent lives on and may restart them); :meth:`SimHosts.freeze` /
 :meth:`SimHosts.thaw` SIGSTOP / SIGCONT them.
@@ -219,6 +220,18 @@ class SimHosts:
     def heal(self, i: int) -> None:
         """Plug host ``i``'s cable back in."""
         _ip("-n", self.switch, "link", "set", f"p{i}", "up")
+
+    def partition(self, away: Sequence[int]) -> None:
+        """Split the network in two: the hosts ``away`` move to a second switch (bridge ``br1``).
+
+        The hosts on each side still reach each other, and nothing of the other side (a network partition,
+        not a host cut off). The second bridge goes with the switch's namespace.
+        """
+        if _ip("-n", self.switch, "link", "show", "br1", check=False).returncode != 0:
+            _ip("-n", self.switch, "link", "add", "br1", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br1", "up")
+        for i in away:
+            _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br1")
 
     def _signal(self, i: int, sig: signal.Signals) -> list[int]:
         return _signal_namespace(self.hosts[i], sig)

@@ -20,7 +20,7 @@ from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
 from pc_distributed import _torch_dist
-from pc_distributed.rpc._backend import AUTO_CHOICE, ENV_VAR, choose_backend
+from pc_distributed.rpc._backends import AUTO_CHOICE, ENV_VAR, choose_backend
 from pc_distributed.rpc._c10d import C10dBackend
 from pc_distributed.rpc._tensorpipe import TensorPipeBackend
 

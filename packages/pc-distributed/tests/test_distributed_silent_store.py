@@ -164,7 +164,16 @@ sock = socket.socket()
 sock.bind(("127.0.0.1", 0))
 sock.listen(16)
 url = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-report(lambda: _torch_dist.start_rpc("b", 1, 2, url, 30, 1))
+from pc_distributed.rpc._backends import BackendSetup, start_backend
+
+def no_store():
+    raise AssertionError("TensorPipe makes no links on the store")
+
+setup = BackendSetup(
+    member="b", rank=1, world_size=2, names=("a", "b"), timeout=30, start_timeout=1, busy_poll=False,
+    link_store=no_store, rpc_init_method=lambda: url,
+)
+report(lambda: start_backend("tensorpipe", setup))
 """
 
 

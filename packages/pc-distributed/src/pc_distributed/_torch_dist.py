@@ -1,7 +1,9 @@
 """The thin layer over torch.distributed and torch.distributed.rpc that World uses to start and stop.
 
-RPC's start and shutdown here are the TensorPipe backend's (``rpc._tensorpipe``), which the World starts; the
-c10d backend's links (a gloo process group per pair of members) are made by :func:`pair_link`.
+The TensorPipe backend (``rpc._tensorpipe``) starts and stops torch's RPC agent through :func:`rpc_options`,
+:func:`init_rpc` and :func:`shutdown_rpc_agent` (its bounds and its fallback from a failed graceful shutdown
+are its own); the c10d backend's links (a gloo process group per pair of members) are made by
+:func:`pair_link`.
 
 Every torch call that sets up or tears down global state lives here, so a change in torch touches one file.
 Public torch APIs only, with one exception named in :func:`rpc_options` (TensorPipe's transports).
@@ -26,12 +28,14 @@ from pc_distributed._bounded import WAIT_GRACE, call_bounded
 
 __all__ = [
     "Store",
+    "bounded_here",
     "check_backend",
     "destroy_pg",
     "elastic_groups_available",
     "group_all_reduce_sum",
     "group_broadcast",
     "init_pg",
+    "init_rpc",
     "link_devices",
     "listen_socket",
     "master_store",
@@ -44,8 +48,7 @@ __all__ = [
     "rpc_available",
     "rpc_options",
     "serve_store",
-    "shutdown_rpc",
-    "start_rpc",
+    "shutdown_rpc_agent",
     "store_client",
     "store_port",
     "tcp_store_client",
@@ -267,7 +270,7 @@ def store_client(store: Any, timeout: float) -> Any | None:
     )
 
 
-def _bounded_here(fn: Callable[[], Any], timeout: float, what: str) -> Any:
+def bounded_here(fn: Callable[[], Any], timeout: float, what: str) -> Any:
     """:func:`call_bounded` with the caller's current CUDA device (a per-thread setting) on the helper thread.
 
     torch's own store requests in ``init_process_group``, ``new_group`` and RPC's start-up (gloo's and
@@ -314,7 +317,7 @@ def check_backend(backend: str) -> str:
 
 def init_pg(store: Any, backend: str, rank: int, world_size: int, timeout: float) -> None:
     """Create the default process group on ``store``, within ``timeout`` (plus ``WAIT_GRACE``) seconds."""
-    _bounded_here(
+    bounded_here(
         lambda: dist.init_process_group(
             backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         ),
@@ -325,7 +328,7 @@ def init_pg(store: Any, backend: str, rank: int, world_size: int, timeout: float
 
 def new_group(ranks: list[int], timeout: float, backend: str | None) -> Any:
     """Torch's ``new_group`` (every rank of the world calls it), within ``timeout`` plus ``WAIT_GRACE`` s."""
-    return _bounded_here(
+    return bounded_here(
         lambda: dist.new_group(ranks, timeout=timedelta(seconds=timeout), backend=backend),
         timeout,
         f"new_group({ranks})",
@@ -363,75 +366,30 @@ def rpc_options(url: str, timeout: float, busy_poll: bool) -> Any:
         return rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=timeout)
 
 
-def start_rpc(
-    name: str,
-    rank: int,
-    world_size: int,
-    url: str,
-    timeout: float,
-    start_timeout: float,
-    busy_poll: bool = False,
-) -> None:
-    """Initialise RPC with TensorPipe on ``url`` (calls time out after ``timeout`` seconds by default).
+def init_rpc(name: str, rank: int, world_size: int, options: Any) -> None:
+    """Run torch's ``init_rpc`` with TensorPipe's ``options`` (:func:`rpc_options`); no bound of its own.
 
-    The start-up (RPC's rendezvous on the store and TensorPipe's exchange of the workers' names) must finish
-    within ``start_timeout`` plus ``WAIT_GRACE`` seconds. ``busy_poll``: see :func:`rpc_options`.
+    The caller bounds it (:func:`bounded_here`): its rendezvous on the store and TensorPipe's exchange of the
+    workers' names have no deadline against a silent store.
     """
-    options = rpc_options(url, timeout, busy_poll)
-
-    def start() -> None:
-        with warnings.catch_warnings():
-            # torch's own TensorPipe start-up gathers the worker names over a Backend it builds itself and
-            # then warns about that deprecated use of its own API; nothing the caller can act on.
-            warnings.filterwarnings(
-                "ignore", message=r"You are using a Backend .* as a ProcessGroup", category=UserWarning
-            )
-            rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)  # type: ignore[no-untyped-call]
-
-    _bounded_here(start, start_timeout, f"RPC start-up of {name!r} on {url}")
+    with warnings.catch_warnings():
+        # torch's own TensorPipe start-up gathers the worker names over a Backend it builds itself and then
+        # warns about that deprecated use of its own API; nothing the caller can act on.
+        warnings.filterwarnings(
+            "ignore", message=r"You are using a Backend .* as a ProcessGroup", category=UserWarning
+        )
+        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)  # type: ignore[no-untyped-call]
 
 
-def shutdown_rpc(graceful: bool, timeout: float) -> None:
-    """Shut RPC down within ``timeout``; a failed graceful shutdown falls back to a non-graceful one.
+def shutdown_rpc_agent(graceful: bool, timeout: float) -> None:
+    """Run torch's ``rpc.shutdown``: graceful (waiting at most ``timeout`` for the peers) or at once.
 
-    A graceful shutdown without a timeout hangs forever when a peer died, so there is always one. Either kind
-    then joins the RPC agent's threads, which never ends when it is called from one of them (a handler that
-    stops its World): so each runs on a helper thread and is given ``timeout`` (the graceful one, whose own
-    timeout bounds only the wait for the peers, twice that). One that has not ended by then is left to end in
-    the background (once that handler returns) with a ``RuntimeWarning``.
+    Either kind then joins the RPC agent's threads, without a bound: the caller runs it on a helper thread.
     """
     if graceful:
-        try:
-            call_bounded(
-                lambda: rpc.shutdown(graceful=True, timeout=timeout),
-                2 * timeout,
-                "torch's graceful RPC shutdown",
-            )
-            return
-        except TimeoutError as exc:
-            _warn_left_running(exc)
-            return
-        except Exception as exc:
-            warnings.warn(
-                f"graceful RPC shutdown failed ({type(exc).__name__}: {exc}); shutting down non-gracefully",
-                RuntimeWarning,
-                stacklevel=4,  # World.stop's caller (through the backend's shutdown)
-            )
-    try:
-        call_bounded(lambda: rpc.shutdown(graceful=False), timeout, "torch's non-graceful RPC shutdown")
-    except TimeoutError as exc:
-        _warn_left_running(exc)
-    except Exception as exc:  # pragma: no cover - torch refuses a second shutdown on some versions
-        logger.debug("non-graceful RPC shutdown raised %r", exc)
-
-
-def _warn_left_running(exc: TimeoutError) -> None:
-    warnings.warn(
-        f"{exc}; it goes on in the background: torch joins the RPC agent's threads, and World.stop was "
-        "probably called from one of them (an RPC handler), which it waits for until it returns",
-        RuntimeWarning,
-        stacklevel=5,  # World.stop's caller
-    )
+        rpc.shutdown(graceful=True, timeout=timeout)
+    else:
+        rpc.shutdown(graceful=False)
 
 
 # The elastic trainer's groups (``parallel.elastic``): one gloo group per quorum, built like the pair links
@@ -476,7 +434,7 @@ def tcp_store_client(host: str, port: int, timeout: float) -> Any:
         TimeoutError: If the store's server does not answer within ``timeout``.
         RuntimeError: torch's error if the connection is refused.
     """
-    return _bounded_here(
+    return bounded_here(
         lambda: _TCPStore(
             host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
         ),

@@ -20,56 +20,54 @@ types: ``TimeoutError``/``ConnectionError``, or torch's ``RuntimeError``/``OSErr
 maps with :func:`pc_distributed._transport.transport_error`; a payload that cannot be pickled raises
 (``TypeError``, ``AttributeError`` or ``pickle.PicklingError``) before anything is sent.
 
-Starting a backend is the World's, per backend (each needs different things: a rendezvous URL, links made on
-the store); a started backend is used only through this protocol. Implementations: ``_tensorpipe``
-(``torch.distributed.rpc`` over TensorPipe) and ``_c10d`` (a gloo process group per pair of members, with
-pc-pickle). :func:`choose_backend` resolves the World's ``rpc_backend`` argument to one of them.
+A backend is a class (:class:`BackendType`) with a name and a ``start`` that takes one
+:class:`BackendSetup`: everything the World knows that a backend may need to start (who this member is, the
+members by rank, the timeouts, and the two meeting places on the World's store, made only when asked for,
+since making them opens connections or serves a store). A started backend is used only through
+:class:`RpcBackend`.
+Implementations: ``_tensorpipe`` (``torch.distributed.rpc`` over TensorPipe) and ``_c10d`` (a gloo process
+group per pair of members, with pc-pickle); ``_backends`` names them and resolves the World's ``rpc_backend``
+argument to one of them.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from pc_distributed import _torch_dist
-
-__all__ = ["AUTO_CHOICE", "BACKENDS", "ENV_VAR", "RemoteValue", "RpcBackend", "choose_backend"]
-
-BACKENDS = ("tensorpipe", "c10d")
-ENV_VAR = "PC_RPC_BACKEND"
-"""The environment variable that ``rpc_backend="auto"`` reads first (``tensorpipe`` or ``c10d``)."""
-AUTO_CHOICE = "tensorpipe"
-"""What ``auto`` picks when torch has RPC and the variable is unset (docs/distributed.md says why)."""
+__all__ = ["BackendSetup", "BackendType", "RemoteValue", "RpcBackend"]
 
 
-def choose_backend(requested: object) -> str:
-    """The backend a World uses for ``rpc_backend=requested``.
+@dataclass(frozen=True)
+class BackendSetup:
+    """What a World hands the ``start`` of its backend: one object, whatever the backend.
 
-    ``"tensorpipe"`` and ``"c10d"`` are taken as given (TensorPipe only where this torch build has
-    ``torch.distributed.rpc``). ``"auto"`` is :data:`ENV_VAR` if set, else ``"c10d"`` on a torch without RPC,
-    else :data:`AUTO_CHOICE`.
-
-    Raises:
-        TypeError: If ``requested`` is not a str.
-        ValueError: If it (or the variable) names no backend, or names TensorPipe on a torch without RPC.
+    Args:
+        member: This process's member name (what calls address it by).
+        rank: Its rank.
+        world_size: Number of members.
+        names: The members' names, by rank.
+        timeout: Default seconds of a call (the World's ``rpc_timeout``).
+        start_timeout: Seconds for the start-up, rendezvous included (the World's ``dist_timeout``).
+        busy_poll: Whether the backend may use transports that busy-poll (the World's ``rpc_busy_poll``).
+        link_store: Makes a store client scoped to this World for links made on the store (a new connection:
+            call it only when the backend uses it).
+        rpc_init_method: Makes the init method of ``torch.distributed.rpc`` (the World's store, or the store
+            of RPC's own that rank 0 serves: call it only when the backend uses it).
     """
-    if not isinstance(requested, str):
-        raise TypeError(f"rpc_backend must be a str, got {type(requested).__name__}")
-    choice, source = requested.lower(), f"rpc_backend {requested!r}"
-    if choice == "auto":
-        from_env = os.environ.get(ENV_VAR, "").strip().lower()
-        if from_env:
-            choice, source = from_env, f"{ENV_VAR}={os.environ[ENV_VAR]!r}"
-        else:
-            choice = AUTO_CHOICE if _torch_dist.rpc_available() else "c10d"
-    if choice not in BACKENDS:
-        raise ValueError(f"{source}: expected one of {[*BACKENDS, 'auto']}")
-    if choice == "tensorpipe" and not _torch_dist.rpc_available():
-        raise ValueError(f"{source}: this torch build has no torch.distributed.rpc; use 'c10d' or 'auto'")
-    return choice
+
+    member: str
+    rank: int
+    world_size: int
+    names: Sequence[str]
+    timeout: float
+    start_timeout: float
+    busy_poll: bool
+    link_store: Callable[[], Any]
+    rpc_init_method: Callable[[], str]
 
 
 class RemoteValue(Protocol):
@@ -140,4 +138,22 @@ class RpcBackend(Protocol):
         """Stop within ``timeout`` seconds; ``graceful``: let the peers' outstanding work finish first.
 
         A graceful shutdown that fails falls back to a non-graceful one (with a ``RuntimeWarning``).
+        """
+
+
+class BackendType(Protocol):
+    """A backend class as ``_backends`` registers it: its name, whether this torch has it, its start."""
+
+    @property
+    def name(self) -> str:
+        """The name ``rpc_backend`` selects it by (``"c10d"``)."""
+
+    def missing(self) -> str | None:
+        """Why this torch build cannot run the backend (``"this torch build has no ..."``), or None."""
+
+    def start(self, setup: BackendSetup) -> RpcBackend:
+        """Start this member's backend (every member of the World calls it at the same time).
+
+        Raises:
+            TimeoutError: If the start-up does not finish within ``setup.start_timeout`` (plus a grace).
         """

@@ -1,6 +1,6 @@
 """The c10d RPC backend: the :class:`~._c10d_transport.C10dTransport` as a :class:`~._backend.RpcBackend`.
 
-It addresses members by name (the transport by rank) and is started by the World on links it makes through
+It addresses members by name (the transport by rank) and is started (``_backends``) on links it makes through
 the World's store: a gloo process group per pair of members (:func:`pc_distributed._torch_dist.pair_link`),
 never ``torch.distributed.rpc``. Its remote values are :class:`~._c10d_ref.C10dRemoteRef`. Errors are
 already the RPC layer's (``TimeoutError``/``ConnectionError`` naming the member, ``TypeError`` for a payload
@@ -16,6 +16,7 @@ import torch
 
 from pc_distributed import _torch_dist
 from pc_distributed._bounded import call_bounded
+from pc_distributed.rpc._backend import BackendSetup
 from pc_distributed.rpc._c10d_ref import C10dRemoteRef
 from pc_distributed.rpc._c10d_transport import C10dTransport
 
@@ -34,31 +35,25 @@ class C10dBackend:
         self._transport = transport
         self._rank_of = {name: rank for rank, name in enumerate(transport.names)}
 
+    @staticmethod
+    def missing() -> str | None:
+        """None: the backend needs only gloo, which every torch build the package supports has."""
+        return None
+
     @classmethod
-    def start(
-        cls,
-        store: Any,
-        names: list[str],
-        rank: int,
-        timeout: float,
-        link_timeout: float,
-    ) -> C10dBackend:
-        """Make the links to every other member on ``store`` and start the transport.
+    def start(cls, setup: BackendSetup) -> C10dBackend:
+        """Make the links to every other member on the World's store and start the transport.
 
         Every member calls it at the same time. The links are made in one global order of pairs, so no two
-        members wait on each other; all of them together must be made within ``link_timeout`` seconds.
-
-        Args:
-            store: A torch store scoped to this World (keys ``link/<a>-<b>/...``).
-            names: The members' names, by rank.
-            rank: This member's rank.
-            timeout: Default seconds of a call.
-            link_timeout: Seconds of the links' rendezvous and of every wait on them (gloo's timeout; a peer
-                silent this long is lost).
+        members wait on each other; all of them together must be made within ``setup.start_timeout`` seconds,
+        which is also gloo's timeout of every wait on them (a peer silent this long is lost). Calls default
+        to ``setup.timeout`` seconds. The links meet on ``setup.link_store()`` (keys ``link/<a>-<b>/...``).
 
         Raises:
             TimeoutError: If a peer does not arrive in time.
         """
+        store = setup.link_store()
+        names, rank, timeout, link_timeout = list(setup.names), setup.rank, setup.timeout, setup.start_timeout
         others = [r for r in range(len(names)) if r != rank]
 
         def make_links() -> dict[int, Any]:

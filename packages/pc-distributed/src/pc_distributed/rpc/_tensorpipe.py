@@ -1,8 +1,9 @@
 """The TensorPipe RPC backend: ``torch.distributed.rpc``'s public calls as a :class:`~._backend.RpcBackend`.
 
-Start-up and shutdown (TensorPipe's options, the bounded ``init_rpc``, the graceful shutdown with a fallback)
-are torch-facing and live in :mod:`pc_distributed._torch_dist`; the calls themselves are torch's public
-``rpc_async`` and ``remote``, looked up on ``torch.distributed.rpc`` at each call. A remote value is torch's
+Start-up (the bounded ``init_rpc``) and shutdown (bounded, a failed graceful shutdown falling back to a
+non-graceful one) are here, over the thin torch-facing calls of :mod:`pc_distributed._torch_dist`
+(TensorPipe's options, ``init_rpc``, ``rpc.shutdown``); the calls themselves are torch's public ``rpc_async``
+and ``remote``, looked up on ``torch.distributed.rpc`` at each call. A remote value is torch's
 ``RRef``, behind :class:`TensorPipeValue`.
 
 **Every wait is pc's, bounded by the call's own timeout.** TensorPipe completes a call's future on the
@@ -31,10 +32,12 @@ from __future__ import annotations
 import heapq
 import io
 import itertools
+import logging
 import pickle
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -43,8 +46,11 @@ import torch.distributed.rpc as rpc
 
 from pc_distributed import _torch_dist
 from pc_distributed._bounded import call_bounded
+from pc_distributed.rpc._backend import BackendSetup
 
 __all__ = ["TensorPipeBackend", "TensorPipeValue"]
+
+logger = logging.getLogger(__name__)
 
 
 def _no_reply(to: str, timeout: float) -> str:
@@ -72,33 +78,31 @@ class TensorPipeBackend:
         self._timeout = timeout
         self._deadlines = _Deadlines()
 
-    @classmethod
-    def start(
-        cls,
-        member: str,
-        rank: int,
-        world_size: int,
-        url: str,
-        timeout: float,
-        start_timeout: float,
-        busy_poll: bool = False,
-    ) -> TensorPipeBackend:
-        """Start torch's RPC as ``member`` on the rendezvous ``url``, within ``start_timeout`` seconds.
+    @staticmethod
+    def missing() -> str | None:
+        """Why this torch cannot run TensorPipe (a build without ``torch.distributed.rpc``), or None."""
+        return None if _torch_dist.rpc_available() else "this torch build has no torch.distributed.rpc"
 
-        Args:
-            member: This process's member name (the name calls address it by).
-            rank: Its rank.
-            world_size: Number of processes.
-            url: RPC's init method (the World's store, multi-tenant).
-            timeout: Default seconds of a call.
-            start_timeout: Seconds for the start-up (plus ``WAIT_GRACE``).
-            busy_poll: Offer TensorPipe's busy-polling transports (see ``_torch_dist.rpc_options``).
+    @classmethod
+    def start(cls, setup: BackendSetup) -> TensorPipeBackend:
+        """Start torch's RPC as ``setup.member`` on ``setup.rpc_init_method()``, within the start timeout.
+
+        Calls default to ``setup.timeout`` seconds; ``setup.busy_poll`` offers TensorPipe's busy-polling
+        transports (see ``_torch_dist.rpc_options``). The start-up (RPC's rendezvous on the store and
+        TensorPipe's exchange of the workers' names) must finish within ``setup.start_timeout`` plus
+        ``WAIT_GRACE`` seconds.
 
         Raises:
             TimeoutError: If the start-up does not finish in time.
         """
-        _torch_dist.start_rpc(member, rank, world_size, url, timeout, start_timeout, busy_poll)
-        return cls(timeout)
+        url = setup.rpc_init_method()
+        options = _torch_dist.rpc_options(url, setup.timeout, setup.busy_poll)
+        _torch_dist.bounded_here(
+            lambda: _torch_dist.init_rpc(setup.member, setup.rank, setup.world_size, options),
+            setup.start_timeout,
+            f"RPC start-up of {setup.member!r} on {url}",
+        )
+        return cls(setup.timeout)
 
     def plain_pickles(self, value: Any) -> bool:
         """Whether torch's RPC pickler takes ``value``: plain pickle, with tensors and RRefs set aside.
@@ -185,12 +189,59 @@ class TensorPipeBackend:
         Futures of calls still pending then fail with ``ConnectionError``.
         """
         try:
-            _torch_dist.shutdown_rpc(graceful, timeout)
+            _shutdown_agent(graceful, timeout)
         finally:
             self._deadlines.close()
 
     def __repr__(self) -> str:
         return "TensorPipeBackend()"
+
+
+def _shutdown_agent(graceful: bool, timeout: float) -> None:
+    """Shut torch's RPC down within ``timeout``; a failed graceful shutdown falls back to a non-graceful one.
+
+    A graceful shutdown without a timeout hangs forever when a peer died, so there is always one. Either kind
+    then joins the RPC agent's threads, which never ends when it is called from one of them (a handler that
+    stops its World): so each runs on a helper thread and is given ``timeout`` (the graceful one, whose own
+    timeout bounds only the wait for the peers, twice that). One that has not ended by then is left to end in
+    the background (once that handler returns) with a ``RuntimeWarning``.
+    """
+    if graceful:
+        try:
+            call_bounded(
+                lambda: _torch_dist.shutdown_rpc_agent(True, timeout),
+                2 * timeout,
+                "torch's graceful RPC shutdown",
+            )
+            return
+        except TimeoutError as exc:
+            _warn_left_running(exc)
+            return
+        except Exception as exc:
+            warnings.warn(
+                f"graceful RPC shutdown failed ({type(exc).__name__}: {exc}); shutting down non-gracefully",
+                RuntimeWarning,
+                stacklevel=4,  # World.stop's caller (through the backend's shutdown)
+            )
+    try:
+        call_bounded(
+            lambda: _torch_dist.shutdown_rpc_agent(False, timeout),
+            timeout,
+            "torch's non-graceful RPC shutdown",
+        )
+    except TimeoutError as exc:
+        _warn_left_running(exc)
+    except Exception as exc:  # pragma: no cover - torch refuses a second shutdown on some versions
+        logger.debug("non-graceful RPC shutdown raised %r", exc)
+
+
+def _warn_left_running(exc: TimeoutError) -> None:
+    warnings.warn(
+        f"{exc}; it goes on in the background: torch joins the RPC agent's threads, and World.stop was "
+        "probably called from one of them (an RPC handler), which it waits for until it returns",
+        RuntimeWarning,
+        stacklevel=5,  # World.stop's caller
+    )
 
 
 class TensorPipeValue:

@@ -7,6 +7,9 @@ RPC when the owner is cached or given, and none when the owner is this process; 
 answers "missing", and the caller looks up again and retries once (``registered_sync`` waits in the
 caller's thread, as a raw ``rpc_sync`` does).
 
+The World creates its groups here (``create_rpc_group``) and holds their tables (``ProcessTables``, from
+``_remote``).
+
 Keys may be any value whose ``repr`` is the same in every process (strings, ints, tuples of those).
 Timeouts follow the package's convention (``_transport``): ``None`` (or ``-1``) is the World's
 ``rpc_timeout``.
@@ -26,10 +29,18 @@ from pc_distributed._transport import chain_future, check_call_args, resolve_tim
 from pc_distributed.rpc._calls import Send, ServiceCall, invoke
 from pc_distributed.rpc._directory import Directory
 from pc_distributed.rpc._join import check_group_args, join_group
-from pc_distributed.rpc._remote import SERVICE, VALUE, GroupTables, call_func, paired_value, unwrap
+from pc_distributed.rpc._remote import (
+    SERVICE,
+    VALUE,
+    GroupTables,
+    ProcessTables,
+    call_func,
+    paired_value,
+    unwrap,
+)
 from pc_distributed.rpc.remote_ref import RemoteRef
 
-__all__ = ["RpcGroup", "create_rpc_group"]
+__all__ = ["ProcessTables", "RpcGroup", "create_rpc_group"]
 
 # What the elements of each payload are, to name an unpicklable one: a call (func, args, kwargs), a
 # paired-value look-up (group, key); a service call names its own (``_calls``).

@@ -38,7 +38,7 @@ from pc_distributed._errors import (
     portable_exception,
     reraise_remote,
 )
-from pc_distributed.rpc._backend import choose_backend
+from pc_distributed.rpc._backends import choose_backend
 
 __all__ = ["run_world"]
 

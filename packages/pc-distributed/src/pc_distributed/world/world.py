@@ -11,11 +11,11 @@ arrivals), ``waits`` (one connection per blocking wait, see ``_store_waits``) an
 own; no thread's wait ever stalls another thread's request.
 
 The World owns what lives as long as it does: its RPC backend (``rpc_transport``, the transport its RPC
-groups' calls travel on: ``rpc._tensorpipe`` or ``rpc._c10d``, as ``rpc_backend`` chose), its RPC groups,
-their tables of paired values and services (:attr:`World.rpc_tables`, what incoming calls run on) and its
-collective groups. It hands itself to the groups at creation (they see it through the ``GroupHost`` protocol
-of ``_host`` and never import this module). Timeouts follow the package's convention (``_transport``):
-``None`` is the World's default, ``-1`` another name for it.
+groups' calls travel on, chosen and started through ``rpc._backends`` as ``rpc_backend`` says), its RPC
+groups, their tables of paired values and services (:attr:`World.rpc_tables`, what incoming calls run on)
+and its collective groups. It hands itself to the groups at creation (they see it through the
+``GroupHost`` protocol of ``_host`` and never import this module). Timeouts follow the package's convention
+(``_transport``): ``None`` is the World's default, ``-1`` another name for it.
 """
 
 from __future__ import annotations
@@ -36,11 +36,8 @@ from pc_distributed._store import StoreBarrier
 from pc_distributed._store_waits import WaitStores
 from pc_distributed._transport import resolve_timeout
 from pc_distributed.collective.group import CollectiveGroup, create_collective_group
-from pc_distributed.rpc._backend import RpcBackend, choose_backend
-from pc_distributed.rpc._c10d import C10dBackend
-from pc_distributed.rpc._remote import ProcessTables
-from pc_distributed.rpc._tensorpipe import TensorPipeBackend
-from pc_distributed.rpc.group import RpcGroup, create_rpc_group
+from pc_distributed.rpc._backends import BackendSetup, RpcBackend, choose_backend, start_backend
+from pc_distributed.rpc.group import ProcessTables, RpcGroup, create_rpc_group
 from pc_distributed.world._env import check_name, resolve_world_spec
 from pc_distributed.world._interfaces import InterfaceEnv, check_interface
 from pc_distributed.world._rendezvous import Connection, connect, publish_name
@@ -178,24 +175,8 @@ class World:
                     pg_store, self.dist_backend, self.rank, self.world_size, self.dist_timeout
                 )
                 undo.append(_torch_dist.destroy_pg)
-            if self.init_rpc and self.rpc_backend == "c10d":
-                self.rpc_transport = C10dBackend.start(
-                    self._conn.link_store(self.dist_timeout),
-                    self._names,
-                    self.rank,
-                    self.rpc_timeout,
-                    self.dist_timeout,
-                )
-            elif self.init_rpc:
-                self.rpc_transport = TensorPipeBackend.start(
-                    self.name,
-                    self.rank,
-                    self.world_size,
-                    self._conn.rpc_init_method(self._spec, self.name, self.dist_timeout),
-                    self.rpc_timeout,
-                    self.dist_timeout,
-                    self.rpc_busy_poll,
-                )
+            if self.init_rpc:
+                self.rpc_transport = start_backend(self.rpc_backend, self._backend_setup(self._conn))
         except BaseException:
             for step in reversed(undo):
                 try:
@@ -203,6 +184,20 @@ class World:
                 except Exception as exc:  # pragma: no cover - best-effort undo
                     logger.debug("undo step %r failed: %r", step, exc)
             raise
+
+    def _backend_setup(self, conn: Connection) -> BackendSetup:
+        """What the RPC backend's start gets: this member, the members, the timeouts, the meeting places."""
+        return BackendSetup(
+            member=self.name,
+            rank=self.rank,
+            world_size=self.world_size,
+            names=tuple(self._names),
+            timeout=self.rpc_timeout,
+            start_timeout=self.dist_timeout,
+            busy_poll=self.rpc_busy_poll,
+            link_store=lambda: conn.link_store(self.dist_timeout),
+            rpc_init_method=lambda: conn.rpc_init_method(self._spec, self.name, self.dist_timeout),
+        )
 
     def _settings(self) -> dict[str, str]:
         """What every member must agree on, compared before anything starts (``publish_name``)."""

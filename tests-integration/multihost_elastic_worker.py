@@ -1,0 +1,159 @@
+"""The elastic member that test_integration_elastic_multihost.py starts under torchrun on each simulated host.
+
+``python multihost_elastic_worker.py <out_dir> <min_members> <quorum_timeout>``, one worker per host
+(``--nproc_per_node=1``): the member named ``h<i>`` for host ``i`` (``PC_MH_HOST``) trains :data:`STEPS`
+steps of ``ElasticDataParallel`` on the store of torchrun's agent (host 0's). Inside step :data:`HOLD` (in
+``compute``, after the quorum formed, before the all-reduce) it writes ``<out_dir>/held<i>`` and waits for the
+test to write ``<out_dir>/go`` after it injected the fault (a host cut off, a partition). It then trains on,
+or raises; either way it writes what it observed to ``<out_dir>/member<i>.json`` (the quorum log, the final
+parameters, the error it raised and when) and leaves at once (``os._exit``: torch's exit handlers could wait
+on lost peers).
+
+Times are ``time.time()`` (one machine, one clock: comparable with the test's), reported, never checked here.
+The model, the data and :func:`replay` (the single-process replay of a quorum log) are shared with the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pc_distributed import ElasticDataParallel, ElasticSampler, StepContext
+
+STEPS = 8
+HOLD = 3  # the step inside which every member waits for the test's fault
+HEARTBEAT = 0.5
+MEMBER_TIMEOUT = 5.0
+COLLECTIVE_TIMEOUT = 5.0
+STORE_TIMEOUT = 5.0
+GO_WAIT = 120.0  # seconds a held member waits for the test's ``go``
+
+SAMPLER = ElasticSampler(num_samples=96, batch_size=12, seed=5)
+_GEN = torch.Generator().manual_seed(99)
+X = torch.randn(96, 5, dtype=torch.float64, generator=_GEN)
+Y = torch.randn(96, 2, dtype=torch.float64, generator=_GEN)
+
+
+def make_model(name: str) -> torch.nn.Module:
+    """A small float64 MLP whose start depends on ``name`` only (so the replay knows the job's start)."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    gen = torch.Generator().manual_seed(sum(ord(c) * 31**i for i, c in enumerate(name)) % (2**31))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, dtype=p.dtype, generator=gen))
+    return model
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum (state that the quorum's source hands over with the model)."""
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def shard_loss(model: torch.nn.Module, step: int, members: Sequence[str], member: str) -> int:
+    """Forward and backward on ``member``'s share of step ``step``; return the samples trained."""
+    idx = SAMPLER.indices(step, list(members), member)
+    torch.nn.functional.mse_loss(model(X[idx]), Y[idx]).backward()
+    return len(idx)
+
+
+def replay(log: Sequence[tuple[int, Sequence[str]]]) -> list[list[float]]:
+    """Replay a complete quorum log (steps 0, 1, ... in order) in one process; return the final parameters.
+
+    Each step: every member's gradient on its share, weighted by the share's size, averaged; one SGD step.
+    """
+    model = make_model(min(log[0][1]))  # the first quorum's source: its lowest name
+    opt = make_optimizer(model)
+    for step, members in log:
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        weight = 0
+        for member in sorted(members):
+            model.zero_grad()
+            n = shard_loss(model, step, sorted(members), member)
+            for acc, p in zip(total, model.parameters(), strict=True):
+                acc += p.grad * n
+            weight += n
+        for acc, p in zip(total, model.parameters(), strict=True):
+            p.grad = acc / weight
+        opt.step()
+    return flat_params(model)
+
+
+def flat_params(model: torch.nn.Module) -> list[list[float]]:
+    """The parameters as lists of floats (JSON)."""
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+def _write(out: Path, host: int, obs: dict[str, Any]) -> None:
+    tmp = out / f".member{host}.json"
+    tmp.write_text(json.dumps(obs))
+    tmp.replace(out / f"member{host}.json")
+
+
+def _hold(out: Path, host: int) -> None:
+    (out / f"held{host}").write_text("1")
+    deadline = time.monotonic() + GO_WAIT
+    while not (out / "go").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no go from the test in {GO_WAIT:g} s")
+        time.sleep(0.05)
+
+
+def main() -> None:
+    out, min_members, quorum_timeout = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    torch.set_num_threads(1)
+    host = int(os.environ["PC_MH_HOST"])
+    name = f"h{host}"
+    model = make_model(name)
+    obs: dict[str, Any] = {"name": name, "log": [], "aborted": 0}
+    edp = None
+    try:
+        edp = ElasticDataParallel(
+            model,
+            make_optimizer(model),
+            name=name,
+            job="mh",
+            min_members=min_members,
+            initial_members=int(os.environ["WORLD_SIZE"]),
+            heartbeat_period=HEARTBEAT,
+            member_timeout=MEMBER_TIMEOUT,
+            collective_timeout=COLLECTIVE_TIMEOUT,
+            store_timeout=STORE_TIMEOUT,
+            quorum_timeout=quorum_timeout,
+        )
+        held = False
+
+        def compute(ctx: StepContext) -> int:
+            nonlocal held
+            if ctx.step == HOLD and not held:
+                held = True
+                _hold(out, host)
+            return shard_loss(model, ctx.step, ctx.members, ctx.member)
+
+        while edp.step < STEPS:
+            entry = edp.train_step(compute)
+            if entry.step == HOLD:
+                obs["t_hold_committed"] = time.time()
+        obs["t_done"] = time.time()
+    except Exception as exc:  # what the test checks: a clear error, not a hang
+        obs["error"] = {"type": type(exc).__name__, "message": str(exc)[:500], "t": time.time()}
+    if edp is not None:
+        obs["log"] = [[e.step, list(e.members)] for e in edp.quorum_log]
+        obs["aborted"] = edp.aborted_attempts
+        start = time.monotonic()
+        edp.close()
+        obs["close_s"] = time.monotonic() - start
+    obs["params"] = flat_params(model)
+    _write(out, host, obs)
+    sys.stdout.flush()
+    os._exit(1 if "error" in obs else 0)  # at once: the groups of a lost peer must not hold the process
+
+
+if __name__ == "__main__":
+    main()
