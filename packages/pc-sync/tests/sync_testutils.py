@@ -12,7 +12,7 @@ from torch import nn
 import pc_sync
 from pc_replicate import ReplicationCallbackDataParallel
 from pc_sync._torch_bn import FUSED_OPS, ReferenceKernels
-from pc_sync.batchnorm import _TORCH_BN_TAKES_BIAS
+from pc_sync.replica_batchnorm import _TORCH_BN_TAKES_BIAS
 
 SYNC_OF = {
     nn.BatchNorm1d: pc_sync.SynchronizedBatchNorm1d,

@@ -147,7 +147,7 @@ def test_constructor_validation() -> None:
 @pytest.mark.parametrize("torch_takes_bias", [True, False], ids=["torch-bias-arg", "older-torch"])
 def test_bias_switch_on_every_torch(monkeypatch: pytest.MonkeyPatch, torch_takes_bias: bool) -> None:
     """``bias=False`` and ``convert_model`` work whether torch's _BatchNorm takes ``bias`` or not (2.11)."""
-    import pc_sync.batchnorm as bn_module
+    import pc_sync.replica_batchnorm as bn_module
 
     if torch_takes_bias and not bn_module._TORCH_BN_TAKES_BIAS:
         pytest.skip("this torch's _BatchNorm has no bias argument")

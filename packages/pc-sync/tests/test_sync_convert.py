@@ -16,7 +16,7 @@ from pc_sync import (
     SynchronizedBatchNorm3d,
     convert_model,
 )
-from pc_sync.batchnorm import _TORCH_BN_TAKES_BIAS
+from pc_sync.replica_batchnorm import _TORCH_BN_TAKES_BIAS
 
 
 class _Net(nn.Module):

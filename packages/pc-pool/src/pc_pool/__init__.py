@@ -3,9 +3,9 @@
 # First: it imports torch with torch's "Failed to initialize NumPy" warning ignored (pc-pool needs no numpy).
 from pc_pool import _quiet  # isort: skip  # noqa: F401
 from pc_pool.__about__ import __version__
+from pc_pool.base_pool import BasePool, PoolStates
 from pc_pool.errors import PoolTerminatedError, RemoteTraceback, WorkerDiedError
-from pc_pool.pool import BasePool, PoolStates
-from pc_pool.pools import CtxPool, P2PPool, Pool
+from pc_pool.process_pools import CtxPool, P2PPool, Pool
 from pc_pool.queue import MultiP2PQueue, SimpleP2PQueue, SimpleQueue
 from pc_pool.results import AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult
 from pc_pool.thread_pool import CtxThreadPool, ThreadPool

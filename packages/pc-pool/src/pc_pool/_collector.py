@@ -20,16 +20,6 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pc_pool import _serial
-from pc_pool._engine import (
-    CLOSE_GRACE,
-    FAST_RTT,
-    MAX_WINDOW,
-    TICK,
-    WINDOW,
-    PoolStates,
-    now,
-    start_with_sigint_blocked,
-)
 from pc_pool._fdpass import installed_fds
 from pc_pool._protocol import (
     K_ENC,
@@ -42,6 +32,8 @@ from pc_pool._protocol import (
     unread_bytes,
 )
 from pc_pool._records import Chunk, WorkerHandle
+from pc_pool._settings import CLOSE_GRACE, FAST_RTT, MAX_WINDOW, TICK, WINDOW, PoolStates, now
+from pc_pool._signals import start_with_sigint_blocked
 from pc_pool._state import EngineState
 from pc_pool._workers import WorkerSet
 from pc_pool.errors import PoolTerminatedError, RemoteTraceback, WorkerDiedError

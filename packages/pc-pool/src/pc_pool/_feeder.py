@@ -20,9 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 from pc_pool import _serial
-from pc_pool._engine import TICK, PoolStates, now, start_with_sigint_blocked
 from pc_pool._protocol import EXIT
 from pc_pool._records import Chunk, Job, WorkerHandle
+from pc_pool._settings import TICK, PoolStates, now
+from pc_pool._signals import start_with_sigint_blocked
 from pc_pool._state import EngineState
 
 __all__ = ["Feeder"]

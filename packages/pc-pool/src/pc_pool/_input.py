@@ -19,7 +19,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from pc_pool._engine import TICK, start_with_sigint_blocked
+from pc_pool._settings import TICK
+from pc_pool._signals import start_with_sigint_blocked
 
 __all__ = ["READ_AHEAD_PER_WORKER", "LazyResult", "read_ahead_chunks", "start_input_thread"]
 

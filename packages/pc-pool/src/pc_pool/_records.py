@@ -55,7 +55,7 @@ class WorkerHandle:
     sent_jobs: set[int] = field(default_factory=set)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     ready: bool = False
-    window: int = 2  # chunks it may have outstanding (deeper while it answers fast, see _engine.FAST_RTT)
+    window: int = 2  # chunks it may have outstanding (deeper while it answers fast, see _settings.FAST_RTT)
     refill: int = 1  # its feeder sends again once this many or fewer are outstanding
     service: float | None = None  # moving average of its seconds per chunk
     last_reply_at: float = 0.0

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from pc_pool._engine import PoolStates
 from pc_pool._records import Chunk, Job, WorkerHandle
+from pc_pool._settings import PoolStates
 from pc_pool.errors import PoolTerminatedError
 
 __all__ = ["EngineState", "Wakeup"]

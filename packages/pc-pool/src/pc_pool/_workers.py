@@ -19,11 +19,11 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from pc_pool import _serial
-from pc_pool._engine import KILL_GRACE, NO_CONTEXT, TICK, now
 from pc_pool._protocol import frame_msg, send_msg, write_all
 from pc_pool._quiet import quiet_numpy_warning_in_children
 from pc_pool._reader import ResultReader
 from pc_pool._records import WorkerHandle
+from pc_pool._settings import KILL_GRACE, NO_CONTEXT, TICK, now
 from pc_pool._state import EngineState
 from pc_pool.worker import worker_main
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from pc_pool import _serial
 from pc_pool._checks import positive_int
-from pc_pool._engine import wait_in_slices
+from pc_pool._signals import wait_in_slices
 
 __all__ = ["MultiP2PQueue", "SimpleP2PQueue", "SimpleQueue"]
 

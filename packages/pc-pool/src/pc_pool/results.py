@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from pc_pool._engine import wait_in_slices
+from pc_pool._signals import wait_in_slices
 
 __all__ = ["AsyncResult", "IMapIterator", "IMapUnorderedIterator", "MapResult"]
 

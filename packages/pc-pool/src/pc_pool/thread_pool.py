@@ -14,10 +14,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from pc_pool._api import PoolFrontend
-from pc_pool._engine import TICK, check_pool_args, wait_in_slices
 from pc_pool._protocol import MODE_APPLY, MODE_MAP
+from pc_pool._settings import TICK, check_pool_args
+from pc_pool._signals import wait_in_slices
+from pc_pool.base_pool import PoolStates
 from pc_pool.errors import PoolTerminatedError
-from pc_pool.pool import PoolStates
 
 __all__ = ["CtxThreadPool", "ThreadPool"]
 

@@ -14,7 +14,7 @@ Backward carries, per channel, the sums over this process's values of the upstre
 layer's output and of ``dy * (x - mean)`` with the whole batch's ``mean``: the two sums that
 ``torch.nn.SyncBatchNorm`` all-reduces, which torch's fused kernels produce and consume as they are
 (``pc_sync._fused``), which a process without replicas reduces from its output gradient
-(``pc_sync._process_batchnorm``), and into which a process with composite replicas turns its statistics'
+(``pc_sync._unreplicated``), and into which a process with composite replicas turns its statistics'
 gradient (``pc_sync._process_stats``). Summed over the ranks they give the input gradient of the whole
 batch's batch norm on every rank, for the weight the layer has on every rank (as DDP keeps it).
 

@@ -8,7 +8,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from pc_sync.batchnorm import (
+from pc_sync.replica_batchnorm import (
     SynchronizedBatchNorm1d,
     SynchronizedBatchNorm2d,
     SynchronizedBatchNorm3d,

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from pc_pool._checks import bool_flag
-from pc_pool.pool import BasePool
+from pc_pool.base_pool import BasePool
 from pc_pool.worker import CtxPoolStorage, proxy_ctx_caller
 
 __all__ = ["CtxPool", "P2PPool", "Pool"]

@@ -9,7 +9,7 @@ Two levels, one collective per layer call::
 Inside a process the replicas exchange autograd-tracked tensors through a :class:`~pc_sync.SyncMaster`, as
 :class:`~pc_sync.SynchronizedBatchNorm2d` does; across processes forward makes one ``all_gather`` and backward
 one exchange (see ``pc_sync._process_stats``). Without replicas the first level is skipped and the layer
-is a single autograd node (``pc_sync._process_batchnorm``); with a one-process group (or no initialized
+is a single autograd node (``pc_sync._unreplicated``); with a one-process group (or no initialized
 ``torch.distributed``) the second level is skipped.
 """
 
@@ -23,10 +23,10 @@ from torch import nn
 from pc_sync._checks import positive_int
 from pc_sync._exchange import group_size
 from pc_sync._fused import process_batch_norm
-from pc_sync._process_batchnorm import batch_norm_across, local_moments
 from pc_sync._process_stats import exchange_statistics, reduce_across_processes
-from pc_sync.batchnorm import _LOW_PRECISION, _ChildMessage, _SyncBNMixin, take_over_state
+from pc_sync._unreplicated import batch_norm_across, local_moments
 from pc_sync.errors import DEFAULT_SYNC_TIMEOUT
+from pc_sync.replica_batchnorm import _LOW_PRECISION, _ChildMessage, _SyncBNMixin, take_over_state
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 

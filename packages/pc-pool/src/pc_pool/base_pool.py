@@ -49,18 +49,11 @@ from typing import Any
 from pc_pool._api import PoolFrontend
 from pc_pool._checks import optional_positive_int
 from pc_pool._collector import ResultThread
-from pc_pool._engine import (
-    KILL_GRACE,
-    NO_CONTEXT,
-    TICK,
-    PoolStates,
-    check_pool_args,
-    register_pool,
-    unregister_pool,
-    wait_in_slices,
-)
 from pc_pool._feeder import Feeder
+from pc_pool._live_pools import register_pool, unregister_pool
 from pc_pool._records import Job, WorkerHandle
+from pc_pool._settings import KILL_GRACE, NO_CONTEXT, TICK, PoolStates, check_pool_args
+from pc_pool._signals import wait_in_slices
 from pc_pool._state import EngineState
 from pc_pool._workers import WorkerSet
 from pc_pool.errors import PoolTerminatedError
