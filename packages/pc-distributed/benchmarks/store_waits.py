@@ -5,7 +5,7 @@ A waiter thread waits for a key that a timer sets 1 s later; meanwhile the main 
 and maximum latency and the waiter's wake-up delay after the key was set, then the cost of opening a client.
 The numbers are quoted in ``docs/distributed.md``; pc-distributed uses "a client of its own" (pooled).
 Last, the price of the bound on short requests (issue 20): ``compare_set`` round trips on the raw client and
-through :class:`pc_distributed._bounded.BoundedStore` (a hand-off to its worker thread), interleaved.
+through :class:`pc_distributed._store.BoundedStore` (a hand-off to its worker thread), interleaved.
 
 Usage: ``python store_waits.py`` (one process, a few seconds; not part of ``run_all.py``).
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pc_distributed._bounded import BoundedStore
+from pc_distributed._store import BoundedStore
 
 T = timedelta(seconds=30)
 MASTER: Any = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=T, wait_for_workers=False)  # type: ignore[attr-defined]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pc_distributed._torch_dist import link_devices, pair_link
-from pc_distributed.rpc._c10d_transport import C10dTransport
+from pc_distributed.rpc._c10d.transport import C10dTransport
 
 DIED = "<died>"  # the result of a rank that was expected to die and did
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from pc_distributed.rpc._c10d_codec import PART_MIN_BYTES, Encoded, decode, encode
+from pc_distributed.rpc._c10d.codec import PART_MIN_BYTES, Encoded, decode, encode
 
 
 def _round_trip(obj: Any) -> tuple[bytes, Any]:
@@ -181,15 +181,15 @@ def test_a_snapshot_copies_only_the_parts_that_are_not_copies_already() -> None:
 def test_a_tensor_for_a_cuda_device_the_receiver_lacks_is_a_value_error_naming_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from pc_distributed.rpc import _c10d_codec
+    from pc_distributed.rpc._c10d import codec as codec_module
 
     missing = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
-    as_sent = _c10d_codec._SetAsidePickler._tensor_pid
+    as_sent = codec_module._SetAsidePickler._tensor_pid
 
     def from_a_device(self: Any, key: int, tensor: torch.Tensor) -> tuple[Any, ...]:
         return (*as_sent(self, key, tensor)[:-1], missing)  # what a sender on that device writes
 
-    monkeypatch.setattr(_c10d_codec._SetAsidePickler, "_tensor_pid", from_a_device)
+    monkeypatch.setattr(codec_module._SetAsidePickler, "_tensor_pid", from_a_device)
     for size in (4, PART_MIN_BYTES):  # inside the pickle, and as a part
         message = encode((torch.zeros(size, dtype=torch.uint8),), "the call")
         with pytest.raises(ValueError, match=f"arrived for {missing}.*CUDA device"):

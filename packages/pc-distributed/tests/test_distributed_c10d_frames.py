@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from pc_distributed import _torch_dist
-from pc_distributed.rpc import _c10d_frames as frames
-from pc_distributed.rpc._c10d_codec import Encoded, decode, encode
-from pc_distributed.rpc._c10d_frames import (
+from pc_distributed import _store, _torch_dist
+from pc_distributed.rpc._c10d import frames
+from pc_distributed.rpc._c10d.codec import Encoded, decode, encode
+from pc_distributed.rpc._c10d.frames import (
     PACK_ALIGN,
     PACK_MAX,
     PREDICT_MAX,
@@ -27,7 +27,7 @@ from pc_distributed.rpc._c10d_frames import (
     predicts,
     receive_parts,
 )
-from pc_distributed.rpc._c10d_memory import Buffers, bytes_tensor, host_view
+from pc_distributed.rpc._c10d.memory import Buffers, bytes_tensor, host_view
 
 
 def test_buffers_of_different_sizes_are_reused_whatever_their_order() -> None:
@@ -207,7 +207,7 @@ def test_bytes_tensors_are_the_bytes_themselves_and_keep_them_alive() -> None:
 
 
 def test_a_link_is_a_two_member_gloo_group_and_needs_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
-    store = _torch_dist.master_store("127.0.0.1", 0, 1, 10)
+    store = _store.master_store("127.0.0.1", 0, 1, 10)
     # the peer never arrives: gloo's own rendezvous gives up after the link's timeout
     with pytest.raises(RuntimeError):
         _torch_dist.pair_link(store, 0, 1, 0.5)

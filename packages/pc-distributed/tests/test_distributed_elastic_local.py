@@ -24,7 +24,7 @@ from distributed_elastic_testutils import (
 )
 
 import pc_distributed as pd
-from pc_distributed import _torch_dist
+from pc_distributed import _store, _torch_dist
 from pc_distributed.parallel.elastic import _connect
 
 pytestmark = pytest.mark.backends_inside
@@ -106,7 +106,7 @@ def test_members_train_in_step_and_equal_a_replay_of_their_log() -> None:
 
 def test_a_member_joining_later_receives_the_state_and_ends_equal() -> None:
     store = dist.HashStore()
-    job_keys = _torch_dist.prefix_store("pc_elastic/default", store)
+    job_keys = _store.prefix_store("pc_elastic/default", store)
 
     def body(name: str) -> dict[str, Any]:
         if name == "late":
@@ -188,8 +188,8 @@ def test_a_bad_weight_is_named_and_the_member_leaves() -> None:
 
 
 def test_a_lost_store_is_a_connection_error() -> None:
-    server = _torch_dist.master_store("127.0.0.1", 0, 1, 10.0)
-    client = _torch_dist.tcp_store_client("127.0.0.1", _torch_dist.store_port(server), 10.0)
+    server = _store.master_store("127.0.0.1", 0, 1, 10.0)
+    client = _store.tcp_store_client("127.0.0.1", _store.store_port(server), 10.0)
     model = make_model("x")
     edp = pd.ElasticDataParallel(
         model, make_optimizer(model), name="x", store=client, store_timeout=5.0, **FAST

@@ -19,7 +19,8 @@ import pytest
 import torch.distributed as dist
 
 import pc_distributed as pd
-from pc_distributed._bounded import BoundedStore, call_bounded
+from pc_distributed._bounded import call_bounded
+from pc_distributed._store import BoundedStore
 
 
 @pytest.fixture

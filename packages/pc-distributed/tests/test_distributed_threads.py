@@ -25,8 +25,7 @@ import torch.distributed as dist
 from distributed_testutils import fork_unless_cuda
 
 import pc_distributed as pd
-from pc_distributed._store import StoreBarrier, arrival_key, lookup, wait_keys
-from pc_distributed._store_waits import StoreClosedError, WaitStores
+from pc_distributed._store import StoreBarrier, StoreClosedError, WaitStores, arrival_key, lookup, wait_keys
 from pc_distributed.rpc import _remote
 from pc_distributed.rpc._directory import Directory
 

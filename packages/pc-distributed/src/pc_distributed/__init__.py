@@ -3,9 +3,10 @@
 Subpackages by concern, each re-exported here: ``world`` (the World and ``run_world``), ``rpc`` (RpcGroup,
 RemoteRef), ``collective`` (CollectiveGroup), ``parallel`` (DataParallel and its optimizer),
 ``parallel.daso`` (DASO) and ``parallel.elastic`` (ElasticDataParallel). The underscored modules at this
-level are the layer under all of them: the torch-facing calls (``_torch_dist``), argument checks
-(``_checks``), the timeout convention and transport errors (``_transport``), the bounded store (``_store``,
-``_store_waits``, ``_bounded``), the World as the groups see it (``_host``), the one-thread guard
+level are the layer under all of them: the torch-facing calls for process groups, pair links and RPC
+(``_torch_dist``), the store layer (``_store``, a subpackage with its own torch-facing module), argument
+checks (``_checks``), the timeout convention and transport errors (``_transport``), the bound on calls torch
+may block in forever (``_bounded``), the World as the groups see it (``_host``), the one-thread guard
 (``_one_thread``) and the remote-error types (``_errors``).
 """
 

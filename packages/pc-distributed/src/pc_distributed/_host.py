@@ -16,25 +16,12 @@ belongs to the World and goes with it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from pc_distributed._store import Waiter
+from pc_distributed._store import StoreClient, Waiter
 
-__all__ = ["GroupHost", "StoreClient", "Waiter", "clear_world", "current_world", "install_world"]
-
-
-class StoreClient(Protocol):
-    """The short store requests the groups make (the World's bounded shared client)."""
-
-    def set(self, key: str, value: str | bytes) -> None: ...
-    def get(self, key: str) -> bytes: ...
-    def add(self, key: str, amount: int) -> int: ...
-    def check(self, keys: Sequence[str]) -> bool: ...
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes: ...
-    def delete_key(self, key: str) -> bool: ...
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None: ...
+__all__ = ["GroupHost", "clear_world", "current_world", "install_world"]
 
 
 class GroupHost(Protocol):

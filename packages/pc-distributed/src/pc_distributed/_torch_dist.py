@@ -1,33 +1,36 @@
-"""The thin layer over torch.distributed and torch.distributed.rpc that World uses to start and stop.
+"""The thin layer over torch.distributed and torch.distributed.rpc for process groups, pair links and RPC.
 
-The TensorPipe backend (``rpc._tensorpipe``) starts and stops torch's RPC agent through :func:`rpc_options`,
-:func:`init_rpc` and :func:`shutdown_rpc_agent` (its bounds and its fallback from a failed graceful shutdown
-are its own); the c10d backend's links (a gloo process group per pair of members) are made by
-:func:`pair_link`.
+Three kinds of torch calls live here, each used by a different part of the package: the World's default
+process group and the collective groups' subgroups (:func:`check_backend`, :func:`init_pg`, :func:`new_group`,
+:func:`destroy_pg`, :func:`p2p_carries`) and the elastic trainer's per-quorum groups (:func:`quorum_group` and
+its collectives); the c10d RPC backend's links, a gloo process group per pair of members (:func:`pair_link`,
+:func:`link_devices`); and TensorPipe's agent, which the TensorPipe backend (``rpc._tensorpipe``) starts and
+stops through :func:`rpc_options`, :func:`init_rpc` and :func:`shutdown_rpc_agent`. :func:`bounded_here`
+bounds torch's start-up calls that have no deadline against a silent store. The torch calls on stores
+themselves are the store layer's (``pc_distributed._store._torch_store``).
 
-Every torch call that sets up or tears down global state lives here, so a change in torch touches one file.
-Public torch APIs only, with one exception named in :func:`rpc_options` (TensorPipe's transports).
+Every torch call that sets up or tears down this global state lives here, so a change in torch touches one
+file. Public torch APIs only, except TensorPipe's transports (:func:`rpc_options`) and gloo's group options
+(:func:`link_devices`), each behind a capability check.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from pc_distributed._bounded import WAIT_GRACE, call_bounded
+from pc_distributed._store import prefix_store
 
 __all__ = [
-    "Store",
     "bounded_here",
     "check_backend",
     "destroy_pg",
@@ -37,27 +40,15 @@ __all__ = [
     "init_pg",
     "init_rpc",
     "link_devices",
-    "listen_socket",
-    "master_store",
     "new_group",
-    "open_store",
     "p2p_carries",
     "pair_link",
-    "prefix_store",
     "quorum_group",
     "rpc_available",
     "rpc_options",
-    "serve_store",
     "shutdown_rpc_agent",
-    "store_client",
-    "store_port",
-    "tcp_store_client",
 ]
 
-# torch.distributed re-exports these from its C extension; its type stubs do not list them.
-Store: Any = dist.Store  # type: ignore[attr-defined]
-_PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
-_TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 _ProcessGroupGloo: Any = getattr(dist, "ProcessGroupGloo", None)
 # gloo's group options: private (``_Options`` with ``_devices``, ``_timeout``, ``_threads``) on every release
 # supported; where they are missing or named otherwise, each link makes its own device (link_devices: None).
@@ -65,7 +56,6 @@ _GLOO_OPTIONS: Any = getattr(_ProcessGroupGloo, "_Options", None)
 _GLOO_OPTION_FIELDS = ("_devices", "_timeout", "_threads")
 # TensorPipe's event-driven transport (libuv, TCP); its "shm" and "ibv" transports busy-poll.
 _EVENT_TRANSPORT = "uv"
-_rendezvous: Any = dist.rendezvous  # type: ignore[attr-defined]
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +128,7 @@ def pair_link(store: Any, me: int, other: int, timeout: float, devices: list[Any
     if _ProcessGroupGloo is None:
         raise RuntimeError("this torch build has no gloo, which the c10d RPC backend's links need")
     low, high = sorted((me, other))
-    scoped = _PrefixStore(f"link/{low}-{high}", store)
+    scoped = prefix_store(f"link/{low}-{high}", store)
     rank = 0 if me == low else 1
     if devices is None:
         return _ProcessGroupGloo(scoped, rank, 2, timedelta(seconds=timeout))
@@ -147,127 +137,6 @@ def pair_link(store: Any, me: int, other: int, timeout: float, devices: list[Any
     options._timeout = timedelta(seconds=timeout)
     options._threads = 1  # the group's pool serves collectives, which links never run
     return _ProcessGroupGloo(scoped, rank, 2, options)
-
-
-def open_store(url: str, rank: int, world_size: int, timeout: float) -> Any:
-    """Open the rendezvous store of ``url`` as a client (the store is served by rank 0 or by an agent).
-
-    A plain ``tcp://host:port`` gets a ``TCPStore`` client made here: torch's ``tcp://`` handler differs
-    between releases when an agent serves the store (torch 2.4 requires ``TORCHELASTIC_RESTART_COUNT`` and
-    wraps the client in a ``/worker/attempt_N`` prefix, later releases do neither), and the World scopes its
-    keys itself. Other URLs go through torch's rendezvous handlers: the World hands over only ``file://``
-    ones (it turns ``env://`` and a ``tcp://`` query into a plain address first, so that rank 0 serves it
-    on exactly that address and never through torch's handler, which binds every interface).
-    """
-    parsed = urlparse(url)
-    if parsed.scheme == "tcp" and not parsed.query and parsed.hostname and parsed.port:
-        # wait_for_workers (the default) makes the client count itself in at once: a request, so a server
-        # that accepts and never answers is found here, inside the caller's bound, as with torch's handler.
-        return _TCPStore(
-            parsed.hostname, parsed.port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
-        )
-    rendezvous = _rendezvous(url, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
-    store, _, _ = next(rendezvous)
-    store.set_timeout(timedelta(seconds=timeout))
-    return store
-
-
-def master_store(host: str, port: int, world_size: int, timeout: float) -> Any:
-    """Serve a new TCPStore on ``host:port`` only (port 0: a free port; read it with ``store_port``).
-
-    We bind the listening socket ourselves (:func:`listen_socket`) and hand it to the store
-    (:func:`serve_store`), because TCPStore binds every interface when it creates the socket. The store is
-    multi-tenant, so RPC's rendezvous on the same address reuses it.
-    """
-    fd, bound_port = listen_socket(host, port)
-    return serve_store(host, bound_port, fd, world_size, timeout)
-
-
-def listen_socket(host: str, port: int) -> tuple[int, int]:
-    """A listening TCP socket bound to ``host:port`` only (port 0: a free one): its descriptor and port.
-
-    Clients that connect before a store serves it wait in the listen backlog, so a launcher can start its
-    processes first and serve the store after (no process is forked while the store's threads run).
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.bind((host, port))
-        sock.listen(128)
-        bound_port = int(sock.getsockname()[1])
-    except BaseException:
-        sock.close()
-        raise
-    return sock.detach(), bound_port
-
-
-def serve_store(host: str, port: int, fd: int, world_size: int, timeout: float) -> Any:
-    """Serve a master TCPStore on the listening socket ``fd`` (from :func:`listen_socket`); it owns ``fd``.
-
-    On failure the descriptor is closed.
-    """
-    try:
-        return _serve_on_fd(host, port, world_size, timeout, fd)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-# Whether this torch's default (libuv) TCPStore server refuses a listening descriptor; None until first tried.
-# No lock: two threads that find out at once find the same answer and store it twice.
-_listen_fd_needs_legacy: bool | None = None
-
-
-def _serve_on_fd(host: str, port: int, world_size: int, timeout: float, fd: int) -> Any:
-    """A master TCPStore on the bound, listening socket ``fd``.
-
-    Some torch releases (2.4) serve TCPStore with libuv by default and their libuv server cannot take a
-    listening descriptor (``NotImplementedError``, the descriptor left open); the legacy server can. The first
-    call finds out which one this torch needs and later calls go straight to it.
-    """
-    global _listen_fd_needs_legacy
-    options: dict[str, Any] = {
-        "is_master": True,
-        "timeout": timedelta(seconds=timeout),
-        "wait_for_workers": False,
-        "multi_tenant": True,
-        "master_listen_fd": fd,
-    }
-    if not _listen_fd_needs_legacy:
-        try:
-            store = _TCPStore(host, port, world_size, **options)
-        except NotImplementedError:
-            if _listen_fd_needs_legacy is not None:
-                raise
-            logger.debug("TCPStore's libuv server refuses a listening fd here; using the legacy server")
-        else:
-            _listen_fd_needs_legacy = False
-            return store
-        _listen_fd_needs_legacy = True
-    return _TCPStore(host, port, world_size, use_libuv=False, **options)
-
-
-def prefix_store(prefix: str, store: Any) -> Any:
-    """A view of ``store`` whose keys are prefixed by ``prefix``."""
-    return _PrefixStore(prefix, store)
-
-
-def store_port(store: Any) -> int | None:
-    """The port of a TCPStore, or None for other stores."""
-    return int(store.port) if isinstance(store, _TCPStore) else None
-
-
-def store_client(store: Any, timeout: float) -> Any | None:
-    """A new client connection to the server of TCPStore ``store``, or None for other stores.
-
-    A TCPStore client runs one request at a time (a blocking ``wait`` holds it until it returns), so a thread
-    that blocks needs a connection of its own.
-    """
-    if not isinstance(store, _TCPStore):
-        return None
-    return _TCPStore(
-        store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
-    )
 
 
 def bounded_here(fn: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -412,7 +281,7 @@ def quorum_group(store: Any, prefix: str, rank: int, size: int, timeout: float) 
     """
     if _ProcessGroupGloo is None:
         raise RuntimeError("this torch build has no gloo, which the elastic trainer's groups need")
-    return _ProcessGroupGloo(_PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout))
+    return _ProcessGroupGloo(prefix_store(prefix, store), rank, size, timedelta(seconds=timeout))
 
 
 def group_all_reduce_sum(group: Any, tensor: torch.Tensor, timeout: float) -> None:
@@ -425,19 +294,3 @@ def group_broadcast(group: Any, tensor: torch.Tensor, root: int, timeout: float)
     options = dist.BroadcastOptions()
     options.rootRank = root
     group.broadcast([tensor], options).wait(timedelta(seconds=timeout))
-
-
-def tcp_store_client(host: str, port: int, timeout: float) -> Any:
-    """A new client of the TCPStore served at ``host:port`` (the connect itself bounded by ``timeout``).
-
-    Raises:
-        TimeoutError: If the store's server does not answer within ``timeout``.
-        RuntimeError: torch's error if the connection is refused.
-    """
-    return bounded_here(
-        lambda: _TCPStore(
-            host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
-        ),
-        timeout,
-        f"the store at {host}:{port}",
-    )

@@ -2,7 +2,7 @@
 
 Every step is bounded by the World's ``dist_timeout``: torch's TCPStore client waits for the server's
 handshake with no deadline, so opening a client runs under :func:`~pc_distributed._bounded.call_bounded`,
-and every later request goes through a :class:`~pc_distributed._bounded.BoundedStore`.
+and every later request goes through a :class:`~pc_distributed._store.BoundedStore`.
 
 A rank 0 that serves the store itself (no torchrun agent) binds exactly the rendezvous address it was given
 (loopback by default), never every interface, unless that address is ``0.0.0.0``/``::``. The same holds for a
@@ -24,10 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pc_distributed import _torch_dist
-from pc_distributed._bounded import BoundedStore, call_bounded
-from pc_distributed._store import wait_keys
-from pc_distributed._store_waits import WaitStores
+from pc_distributed import _store
+from pc_distributed._bounded import call_bounded
+from pc_distributed._store import BoundedStore, WaitStores, wait_keys
 from pc_distributed.world._env import WorldSpec
 from pc_distributed.world._rpc_store import rpc_url_for_store
 
@@ -75,13 +74,13 @@ class Connection:
         On a store that outlives a torchrun restart the group's keys are scoped to this attempt, else a
         restarted worker would read the dead attempt's gloo addresses.
         """
-        client = _torch_dist.store_client(self.raw, timeout) or self.raw
-        return _torch_dist.prefix_store(f"{self.prefix}/pg", client) if self.outlives_attempt else client
+        client = _store.store_client(self.raw, timeout) or self.raw
+        return _store.prefix_store(f"{self.prefix}/pg", client) if self.outlives_attempt else client
 
     def link_store(self, timeout: float) -> Any:
         """The c10d RPC backend's store: a client of its own, scoped to this World (``<prefix>/links``)."""
-        client = _torch_dist.store_client(self.raw, timeout) or self.raw
-        return _torch_dist.prefix_store(f"{self.prefix}/links", client)
+        client = _store.store_client(self.raw, timeout) or self.raw
+        return _store.prefix_store(f"{self.prefix}/links", client)
 
     def rpc_init_method(self, spec: WorldSpec, name: str, timeout: float) -> str:
         """TensorPipe's init method.
@@ -102,9 +101,9 @@ class Connection:
                 self.rpc_store = _open(spec.rpc_url, name, spec.rank, spec.world_size, timeout, "RPC store")
             return rpc_url_for_store(self.rpc_store)
         if self.outlives_attempt and self.rpc_url == spec.dist_url:
-            client = _torch_dist.store_client(self.raw, timeout)
+            client = _store.store_client(self.raw, timeout)
             if client is not None:
-                return rpc_url_for_store(_torch_dist.prefix_store(f"{self.prefix}/rpc", client))
+                return rpc_url_for_store(_store.prefix_store(f"{self.prefix}/rpc", client))
         return self.rpc_url
 
     def close(self) -> None:
@@ -117,7 +116,7 @@ class Connection:
 def _serve(host: str | None, port: int | None, world_size: int, timeout: float, given_as: str) -> Any:
     host = "127.0.0.1" if host in (None, "localhost") else str(host)
     try:
-        return _torch_dist.master_store(host, port or 0, world_size, timeout)
+        return _store.master_store(host, port or 0, world_size, timeout)
     except OSError as exc:
         raise OSError(
             exc.errno,
@@ -135,7 +134,7 @@ def _open(url: str, name: str, rank: int, world_size: int, timeout: float, kind:
     try:
         # torch's client waits for the server's handshake with no deadline: a rendezvous address that accepts
         # connections and never answers (a frozen rank 0) would block here forever.
-        return call_bounded(lambda: _torch_dist.open_store(url, rank, world_size, timeout), timeout, what)
+        return call_bounded(lambda: _store.open_store(url, rank, world_size, timeout), timeout, what)
     except (RuntimeError, OSError) as exc:  # silent, refused, unreachable, or torch's own connect timeout
         detail = "no answer" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
         raise TimeoutError(f"{what}: not reachable within {timeout:g} s ({detail}); {hint}") from exc
@@ -167,10 +166,10 @@ def connect(spec: WorldSpec, name: str, rank: int, world_size: int, timeout: flo
     else:
         server = f"rank 0, which serves it at {spec.dist_url}"
     label = f"the store of World {name!r}"
-    store = BoundedStore(_torch_dist.prefix_store(prefix, raw), timeout, label, server)
+    store = BoundedStore(_store.prefix_store(prefix, raw), timeout, label, server)
     waits = WaitStores(raw, prefix, timeout)
     rpc_url = spec.rpc_url
-    port = _torch_dist.store_port(raw)
+    port = _store.store_port(raw)
     if rpc_url.endswith(":0") and port is not None:
         rpc_url = f"{rpc_url[:-2]}:{port}"
     return Connection(

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pc_distributed import _torch_dist
+from pc_distributed import _store
 from pc_distributed._checks import positive_int, positive_seconds
 from pc_distributed._errors import (
     RankDiedError,
@@ -228,7 +228,7 @@ def run_world(
     ctx: Any = mp.get_context(start_method)
     # The ranks start before the store serves (they wait in the listen backlog): a child forked while the
     # store's server thread runs can inherit one of its locks held and hang in its own store client.
-    fd, port = _torch_dist.listen_socket("127.0.0.1", 0)
+    fd, port = _store.listen_socket("127.0.0.1", 0)
     env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
@@ -255,7 +255,7 @@ def run_world(
             procs.append(proc)
             conns.append(reader)
         listening, fd = fd, -1  # serve_store owns it from here on, and closes it if it fails
-        store = _torch_dist.serve_store("127.0.0.1", port, listening, world_size, timeout)
+        store = _store.serve_store("127.0.0.1", port, listening, world_size, timeout)
         results = _collect(procs, conns, deadline, timeout, grace_period)
         finished = True
         return results

@@ -7,7 +7,7 @@ is partitioned away or frozen they would block until TCP gives up (about 15 minu
 ``TCPStore`` served by rank 0, by torchrun's agent or by :func:`~pc_distributed.run_world`) also holds the
 rank/name table, the RPC groups' directories and every barrier. A TCPStore client runs one request at a time,
 so the World keeps three kinds of connection to it: ``store`` for short requests (look-ups, claims,
-arrivals), ``waits`` (one connection per blocking wait, see ``_store_waits``) and one of the process group's
+arrivals), ``waits`` (one connection per blocking wait, see ``_store``) and one of the process group's
 own; no thread's wait ever stalls another thread's request.
 
 The World owns what lives as long as it does: its RPC backend (``rpc_transport``, the transport its RPC
@@ -28,12 +28,11 @@ from types import MappingProxyType
 from typing import Any, NoReturn
 
 from pc_distributed import _torch_dist
-from pc_distributed._bounded import BoundedStore, call_bounded
+from pc_distributed._bounded import call_bounded
 from pc_distributed._checks import int_in_range, positive_seconds
 from pc_distributed._host import clear_world, current_world, install_world
 from pc_distributed._one_thread import OneThreadAtATime
-from pc_distributed._store import StoreBarrier
-from pc_distributed._store_waits import WaitStores
+from pc_distributed._store import BoundedStore, StoreBarrier, WaitStores
 from pc_distributed._transport import resolve_timeout
 from pc_distributed.collective.group import CollectiveGroup, create_collective_group
 from pc_distributed.rpc._backends import BackendSetup, RpcBackend, choose_backend, start_backend

@@ -17,9 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pc_distributed import _torch_dist
-from pc_distributed._bounded import BoundedStore
-from pc_distributed._store_waits import WaitStores
+from pc_distributed import _store
+from pc_distributed._store import BoundedStore, WaitStores
 
 __all__ = ["ElasticStores", "connect"]
 
@@ -48,7 +47,7 @@ class ElasticStores:
 
     def group_store(self) -> Any:
         """A client for one quorum group's rendezvous (a connection of its own on a TCPStore)."""
-        return _torch_dist.store_client(self.raw, self.timeout) or self.raw
+        return _store.store_client(self.raw, self.timeout) or self.raw
 
     def close(self) -> None:
         """Close the clients (never blocks)."""
@@ -82,7 +81,7 @@ def _agent_store(timeout: float) -> Any:
     except ValueError:
         raise ValueError(f"environment variable MASTER_PORT must be an integer, got {port!r}") from None
     try:
-        return _torch_dist.tcp_store_client(addr, port_number, timeout)
+        return _store.tcp_store_client(addr, port_number, timeout)
     except (RuntimeError, OSError) as exc:
         raise TimeoutError(
             f"the elastic store at {addr}:{port} is not reachable within {timeout:g} s: {exc}"
@@ -99,7 +98,7 @@ def connect(store: Any, job: str, timeout: float) -> ElasticStores:
     """
     if store is None:
         raw = _agent_store(timeout)
-    elif isinstance(store, _torch_dist.Store):
+    elif isinstance(store, _store.Store):
         raw = store
     else:
         raise TypeError(
@@ -109,10 +108,10 @@ def connect(store: Any, job: str, timeout: float) -> ElasticStores:
     prefix = f"{_PREFIX}/{job}"
     label = f"the elastic store of job {job!r}"
     server = "the launcher serving it (torchrun's agent or run_world)"
-    beat_client = _torch_dist.store_client(raw, timeout) or raw
+    beat_client = _store.store_client(raw, timeout) or raw
     return ElasticStores(
-        store=BoundedStore(_torch_dist.prefix_store(prefix, raw), timeout, label, server),
-        beat=BoundedStore(_torch_dist.prefix_store(prefix, beat_client), timeout, label, server),
+        store=BoundedStore(_store.prefix_store(prefix, raw), timeout, label, server),
+        beat=BoundedStore(_store.prefix_store(prefix, beat_client), timeout, label, server),
         waits=WaitStores(raw, prefix, timeout),
         raw=raw,
         prefix=prefix,

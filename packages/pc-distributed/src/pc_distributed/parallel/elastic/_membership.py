@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 
-from pc_distributed._bounded import BoundedStore
+from pc_distributed._store import BoundedStore
 
 __all__ = ["Membership"]
 

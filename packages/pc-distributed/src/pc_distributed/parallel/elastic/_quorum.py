@@ -39,7 +39,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pc_distributed._bounded import BoundedStore
+from pc_distributed._store import BoundedStore
 from pc_distributed._transport import is_connection_loss
 from pc_distributed.parallel.elastic._connect import ElasticStores
 from pc_distributed.parallel.elastic._membership import Membership

@@ -48,7 +48,7 @@ from typing import Any, NamedTuple, TypeGuard
 import torch
 
 import pc_pickle
-from pc_distributed.rpc._c10d_memory import host_view
+from pc_distributed.rpc._c10d.memory import host_view
 
 __all__ = ["PART_MIN_BYTES", "Encoded", "decode", "encode"]
 
@@ -115,7 +115,7 @@ def _is_plain_tensor(obj: object) -> TypeGuard[torch.Tensor]:
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over all of ``storage``'s memory, on the storage's device (no copy).
 
-    A host storage's is made in one tensor op over its :func:`~._c10d_memory.host_view` (each op releases the
+    A host storage's is made in one tensor op over its :func:`~.memory.host_view` (each op releases the
     GIL, see there), a device storage's in two.
     """
     if storage.device.type == "cpu":

@@ -1,26 +1,9 @@
-r"""An RPC transport over torch.distributed process groups: calls, replies and remote values as frames.
+r"""The c10d transport: calls, replies and remote values as frames on a gloo link per pair of members.
 
-One :class:`C10dTransport` per process carries calls between the members of a World with nothing but the
-public point-to-point ops of gloo process groups (``ProcessGroup.send``/``recv``); it never touches
-``torch.distributed.rpc``. Each pair of members has a *link*, a gloo process group of its own two members
-(:func:`pc_distributed._torch_dist.pair_link`). Requests ``(fn, args, kwargs)``, results and exceptions are
-pickled by :mod:`~._c10d_codec`: by name where a name loads (as torch's RPC does), by value with pc-pickle
-where not (lambdas, closures); large host tensor storages travel beside the pickle as *parts*, straight from
-and into tensor memory; CUDA storages travel as parts through one pinned host copy each way (gloo's
-point-to-point ops abort the process on a CUDA tensor, so only host tensors are ever handed to them:
-:func:`~._c10d_frames.check_host_tensor`).
+:class:`C10dTransport` is the engine the package docstring (:mod:`pc_distributed.rpc._c10d`) describes, with
+its data flow; this is its protocol, and what holds when a peer dies or stalls.
 
-Data flow (one process; ``~~`` is a link's point-to-point ops, ``>>`` a queue)::
-
-    caller thread -- pickle, pending[call id] = future -- post frame ~~send~~> peer's receivers for us
-                                 ^                                                                  |
-                                 | reply (value / error)                                  handler (see below)
-    receiver threads for peer p <~~recv from p~~ frames of p <~~ reply posted by p's handler ---------'
-         | request: the turn handed on, handler(fn, args, kwargs) here (or >> workers), reply to the caller
-    housekeeper: keep-alive pings, call deadlines, releases of garbage-collected remote references
-    (it sleeps until the next keep-alive or the earliest deadline of a call still pending)
-
-**Frames** (:mod:`pc_distributed.rpc._c10d_frames`): a fixed-size header with the kind, the sender, the call
+**Frames** (:mod:`pc_distributed.rpc._c10d.frames`): a fixed-size header with the kind, the sender, the call
 id, the body's length and the number of parts, then the body (the parts' sizes and the pickle's head) as a
 uint8 tensor of its own (a small body rides inside the header), then the parts (large ones alone, small
 ones packed into shared messages). The thread that sends a frame (a caller, a worker with a reply) posts its
@@ -34,7 +17,7 @@ blocked by a slow or stalled peer.
 
 **The receivers.** Two threads per peer take turns receiving that peer's frames on their link: the thread with
 the turn receives the next header, then the body if it did not ride inside the header, then the parts (each
-into memory lent by :class:`~._c10d_memory.Buffers`, which becomes the storage of the tensors it carries and
+into memory lent by :class:`~.memory.Buffers`, which becomes the storage of the tensors it carries and
 is received into again once they are freed). A reply goes to the waiting call. A request is run by the
 receiving thread itself when the other thread is waiting for the turn: it hands the turn on first (the next
 header's receive, already posted), so the request starts at once on a thread that is running anyway, instead
@@ -44,7 +27,7 @@ comes while the other thread is busy with a request of its own goes to a small p
 polls: every thread sleeps in a blocking wait that a frame, a queued item or a deadline ends. A receive posted
 for one given peer is announced to it at once, so a frame costs one message, not a notification round trip
 more; the same holds for the first message of parts of a frame that repeats the sizes of an earlier one (its
-receive is posted ahead: :mod:`~._c10d_frames`). A receiver posts the next header's receive before it hands a
+receive is posted ahead: :mod:`~.frames`). A receiver posts the next header's receive before it hands a
 frame on: posting releases the GIL, and done after the hand-off it would contend for it with the thread just
 woken, a context switch each way.
 
@@ -75,7 +58,7 @@ thousands.
 **Parts are read from the tensors' own memory when they are sent**, which is after the call returns to the
 sender's code. A blocking call (:meth:`C10dTransport.call_sync`) sends the arguments' storages as they are:
 its caller waits for the reply, which proves they were sent. :meth:`C10dTransport.call` and
-:meth:`C10dTransport.remote` return at once, so they send copies (:meth:`~._c10d_codec.Encoded.snapshot`)
+:meth:`C10dTransport.remote` return at once, so they send copies (:meth:`~.codec.Encoded.snapshot`)
 and the caller may write to its tensors right away. A reply is sent from the result's storages before the
 worker takes the next request. A call that times out may still be sent afterwards (its sends stay posted
 until the peer takes them or is lost), reading the arguments' memory then: do not write to the arguments of
@@ -105,12 +88,13 @@ Trust: messages are pickles, so a process that can join the links (reach the sto
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import TimeoutError as _FutureTimeout
 from typing import Any
 
@@ -118,8 +102,9 @@ import torch
 
 from pc_distributed._checks import int_in_range, optional_timeout, positive_int, positive_seconds
 from pc_distributed._errors import format_exception, portable_exception, reraise_remote
-from pc_distributed.rpc._c10d_codec import Encoded, decode, encode
-from pc_distributed.rpc._c10d_frames import (
+from pc_distributed.rpc._c10d.calls import PendingCall, PendingCalls
+from pc_distributed.rpc._c10d.codec import Encoded, decode, encode
+from pc_distributed.rpc._c10d.frames import (
     BYE,
     CALL,
     ERROR,
@@ -137,23 +122,18 @@ from pc_distributed.rpc._c10d_frames import (
     receive_body,
     receive_parts,
 )
-from pc_distributed.rpc._c10d_memory import Buffers
-from pc_distributed.rpc._c10d_ref import C10dRemoteRef
-from pc_distributed.rpc._c10d_state import STOP, KeptValues, Peer, PendingCall, PendingCalls, Workers
+from pc_distributed.rpc._c10d.kept import KeptValues
+from pc_distributed.rpc._c10d.lane import Lane
+from pc_distributed.rpc._c10d.memory import Buffers
+from pc_distributed.rpc._c10d.peer import Peer
+from pc_distributed.rpc._c10d.ref import C10dRemoteRef
+from pc_distributed.rpc._c10d.workers import STOP, Workers
 
-__all__ = ["C10dTransport", "default_handler"]
+__all__ = ["C10dTransport"]
 
 logger = logging.getLogger(__name__)
 
 _Request = tuple[int, int, int, int, Incoming | None]  # (sender, kind, call id, aux, message)
-
-
-def default_handler(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run a request as it came: ``fn(*args, **kwargs)``.
-
-    The World gives its own handler (service and function dispatch); this one serves plain function calls.
-    """
-    return fn(*args, **kwargs)
 
 
 class C10dTransport:
@@ -166,12 +146,9 @@ class C10dTransport:
     Args:
         links: The link to each other member, by that member's rank: a gloo process group of the two, in which
             the member with the lower rank is rank 0 (no other traffic may use the frames' tags on it,
-            :data:`~._c10d_frames.HEADER_TAG` and :data:`~._c10d_frames.PAYLOAD_TAG`).
+            :data:`~.frames.HEADER_TAG` and :data:`~.frames.PAYLOAD_TAG`).
         rank: This process's rank among the members.
         names: The members' names, by rank (used in errors).
-        handler: Runs a request: ``handler(fn, args, kwargs)`` returns the value to send back or raises.
-            Called on a worker thread, or on a receiver thread that has handed receiving on to the other
-            (never while a thread receives).
         timeout: Default seconds of a call (its reply included).
         link_timeout: The timeout the links were created with, in seconds: gloo bounds every receive by it and
             closes the link when one runs out, so keep-alives go to every peer within a quarter of it.
@@ -195,7 +172,6 @@ class C10dTransport:
         links: Mapping[int, Any],
         rank: int,
         names: list[str] | tuple[str, ...],
-        handler: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] = default_handler,
         *,
         timeout: float = 60.0,
         link_timeout: float,
@@ -216,20 +192,25 @@ class C10dTransport:
             )
         for other, link in links.items():
             _check_link(link, rank, other)
-        if not callable(handler):
-            raise TypeError(f"handler must be callable, got {type(handler).__name__}")
         self._timeout = positive_seconds("timeout", timeout)
         self._link_timeout = positive_seconds("link_timeout", link_timeout)
         workers = positive_int("workers", workers)
         self._rank = rank
         self._names = tuple(names)
-        self._handler = handler
         self._keepalive = self._link_timeout / 4
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when calls or handlers finish
         now = time.monotonic()
         self._peers = {
-            r: Peer(r, names[r], link, int(r > rank), last_sent=now, last_heard=now)
+            r: Peer(
+                r,
+                names[r],
+                link,
+                int(r > rank),
+                Lane(f"pc-c10d-lane-{rank}-{r}", functools.partial(self._lose, r)),
+                last_sent=now,
+                last_heard=now,
+            )
             for r, link in sorted(links.items())
         }
         self._ids = itertools.count(1)
@@ -244,10 +225,7 @@ class C10dTransport:
         self._chores: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._buffers = Buffers()
         for peer in self._peers.values():
-            peer.lane_thread = threading.Thread(
-                target=self._lane_loop, args=(peer,), name=f"pc-c10d-lane-{rank}-{peer.rank}", daemon=True
-            )
-            peer.lane_thread.start()
+            peer.lane.start()
             peer.receivers = [
                 threading.Thread(
                     target=self._take_turns,
@@ -289,7 +267,7 @@ class C10dTransport:
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> torch.futures.Future[Any]:
-        """Run ``fn(*args, **kwargs)`` (through the handler) on member ``to_rank``; a future of its value.
+        """Run ``fn(*args, **kwargs)`` on member ``to_rank``; a future of its value.
 
         The future completes with the value, or with the remote exception (original type, the remote
         traceback as ``__cause__``), ``TimeoutError`` after ``timeout`` or ``ConnectionError`` if the member
@@ -315,7 +293,7 @@ class C10dTransport:
 
         def finish() -> None:
             try:
-                value = self._outcome(pending)
+                value = self.call_outcome(pending)
             except BaseException as exc:
                 out.set_exception(exc)
             else:
@@ -340,7 +318,7 @@ class C10dTransport:
     ) -> Any:
         """:meth:`call` and wait for the value (see there for arguments and errors)."""
         pending = self._start(to_rank, CALL, fn, args, kwargs, timeout)
-        return self._wait(pending)
+        return self.wait_call(pending)
 
     def remote(
         self,
@@ -404,15 +382,14 @@ class C10dTransport:
                 self._orphan_locked(call)
             peers = list(self._peers.values())
         for call in leftovers:
-            call.fail(
-                ConnectionError(f"{call.what} to {self._who(call.peer)} failed: this member shut down first")
-            )
+            why = "this member shut down first"
+            call.fail(ConnectionError(f"{call.what} to {self.member(call.peer)} failed: {why}"))
         for peer in peers:
-            peer.lane.put(STOP)  # after the frames before it: a lane ends once they are sent
+            peer.lane.stop()  # after the frames before it: a lane ends once they are sent
         self._chores.put(STOP)
         stuck = self._workers.stop(deadline) + self._completions.stop(deadline)
         for peer in peers:
-            for thread in (peer.lane_thread, *peer.receivers):
+            for thread in (peer.lane.thread, *peer.receivers):
                 if thread is not None and thread is not threading.current_thread():
                     thread.join(max(0.0, deadline - time.monotonic()))
                     if thread.is_alive():
@@ -423,14 +400,15 @@ class C10dTransport:
             logger.warning(
                 "c10d transport of %s shut down with threads still running (a receiver waits in gloo until "
                 "its peer's goodbye, its connection closing or the link's timeout, %g s): %s",
-                self._who(self._rank),
+                self.member(self._rank),
                 self._link_timeout,
                 stuck,
             )
 
     # -- calls -----------------------------------------------------------------------------------------------
 
-    def _who(self, rank: int) -> str:
+    def member(self, rank: int) -> str:
+        """How errors name member ``rank``."""
         return f"member {self._names[rank]!r} (rank {rank})"
 
     def _start(
@@ -453,7 +431,7 @@ class C10dTransport:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
         self._check_reachable(to_rank)
-        message = encode((fn, tuple(args), dict(kwargs or {})), f"the {what} to {self._who(to_rank)}")
+        message = encode((fn, tuple(args), dict(kwargs or {})), f"the {what} to {self.member(to_rank)}")
         if snapshot:  # the caller goes on before the parts are sent: they must not see its later writes
             message = message.snapshot()
         return self._register_and_send(to_rank, kind, message, seconds, what, aux=0)
@@ -463,9 +441,9 @@ class C10dTransport:
             raise RuntimeError("the c10d transport is shut down")
         peer = self._peers.get(to_rank)
         if peer is not None and peer.lost is not None:
-            raise ConnectionError(f"{self._who(to_rank)} is unreachable: {peer.lost}")
+            raise ConnectionError(f"{self.member(to_rank)} is unreachable: {peer.lost}")
         if peer is not None and (peer.heard_bye or peer.said_bye):
-            raise ConnectionError(f"{self._who(to_rank)} has shut down")
+            raise ConnectionError(f"{self.member(to_rank)} has shut down")
 
     def _register_and_send(
         self, to_rank: int, kind: int, message: Encoded | None, seconds: float, what: str, aux: int
@@ -482,12 +460,13 @@ class C10dTransport:
         self._send(to_rank, kind, call_id, message, aux, pending)
         return pending
 
-    def _wait(self, pending: PendingCall) -> Any:
+    def wait_call(self, pending: PendingCall) -> Any:
+        """Wait for ``pending`` until its deadline (then ``TimeoutError``); its value, or its error raised."""
         try:
             pending.future.result(max(0.0, pending.deadline - time.monotonic()))
         except _FutureTimeout:
             self._expire(pending)
-        return self._outcome(pending)
+        return self.call_outcome(pending)
 
     def _expire(self, pending: PendingCall) -> None:
         with self._lock:
@@ -496,12 +475,12 @@ class C10dTransport:
             self._orphan_locked(pending)
             pending.fail(
                 TimeoutError(
-                    f"{pending.what} to {self._who(pending.peer)} timed out after {pending.timeout:g} s"
+                    f"{pending.what} to {self.member(pending.peer)} timed out after {pending.timeout:g} s"
                 )
             )
             self._idle.notify_all()
 
-    def _outcome(self, pending: PendingCall) -> Any:
+    def call_outcome(self, pending: PendingCall) -> Any:
         """The value of an answered call, or its remote exception raised (read once, then kept)."""
         with pending.decode_lock:
             if pending.decoded is None:
@@ -516,18 +495,19 @@ class C10dTransport:
             kind, obj = pending.decoded
         if kind == ERROR:
             exc, text = obj
-            raise reraise_remote(exc, text, self._who(pending.peer))
+            raise reraise_remote(exc, text, self.member(pending.peer))
         return obj
 
-    def _fetch(self, owner: int, ref_id: int, timeout: float | None) -> Any:
+    def fetch_value(self, owner: int, ref_id: int, timeout: float | None) -> Any:
+        """A copy of the value ``owner`` keeps for our call ``ref_id`` (``timeout``: None, the default)."""
         seconds = optional_timeout("timeout", timeout)
         self._check_reachable(owner)
         pending = self._register_and_send(
             owner, FETCH, None, self._timeout if seconds is None else seconds, "to_here", aux=ref_id
         )
-        return self._wait(pending)
+        return self.wait_call(pending)
 
-    def _release(self, owner: int, ref_id: int) -> None:
+    def release_value(self, owner: int, ref_id: int) -> None:
         """Tell ``owner`` to drop the value kept for our remote call ``ref_id`` (quietly if it is gone)."""
         if self._state == "stopped":
             return
@@ -589,9 +569,9 @@ class C10dTransport:
                             if self._pending.get(call_id) is request:
                                 request.sent = (posted, message)
                             elif not request.future.done() or request.future.exception() is not None:
-                                peer.lane.put((posted, message, False))  # failed meanwhile: the lane waits
+                                peer.lane.wait_for(posted, message)  # failed meanwhile: the lane waits
                     elif kind not in (VALUE, ERROR):
-                        peer.lane.put((posted, message, kind == BYE))
+                        peer.lane.wait_for(posted, message, last=kind == BYE)
         if posted is not None and kind in (VALUE, ERROR):
             try:
                 posted.wait()
@@ -610,27 +590,8 @@ class C10dTransport:
         if pending.sent is not None:
             peer = self._peers.get(pending.peer)
             if peer is not None:
-                peer.lane.put((*pending.sent, False))
+                peer.lane.wait_for(*pending.sent)
             pending.sent = None
-
-    def _lane_loop(self, peer: Peer) -> None:
-        """Wait, in order, for the sends posted to ``peer``, until its goodbye is sent or a sentinel comes.
-
-        Each wait is bounded by the group's timeout (gloo's); a send that fails marks the peer lost.
-        """
-        while True:
-            item = peer.lane.get()  # woken by a posted frame or by the sentinel of shutdown / loss
-            if item is STOP:
-                return
-            posted, _message, last = item  # _message: read by the sends until they are done
-            try:
-                posted.wait()
-            except RuntimeError as exc:
-                self._lose(peer.rank, f"a send to it failed ({exc})")
-                return
-            del posted, _message, item
-            if last:
-                return
 
     # -- receiving -------------------------------------------------------------------------------------------
 
@@ -684,7 +645,7 @@ class C10dTransport:
             A request to run on this thread, once the turn is handed on to the other receiver thread; None
             once nothing more comes from the peer (its goodbye, its loss, or a malformed frame).
 
-        The next header's receive is posted before a frame is handed on (:func:`~._c10d_frames.post_header`),
+        The next header's receive is posted before a frame is handed on (:func:`~.frames.post_header`),
         except after a goodbye, which is the peer's last frame.
         """
         while True:
@@ -799,7 +760,7 @@ class C10dTransport:
         try:
             try:
                 if kind == FETCH:
-                    value = self._kept.get((src, aux), f"the remote value {aux} of {self._who(src)}")
+                    value = self._kept.get((src, aux), f"the remote value {aux} of {self.member(src)}")
                 else:
                     if message is None:  # pragma: no cover - a request always has a message
                         raise ValueError("a request frame came without its message")
@@ -808,12 +769,12 @@ class C10dTransport:
                     finally:
                         self._buffers.give(message.body)
                     del message
-                    value = self._handler(fn, args, kwargs)
+                    value = fn(*args, **kwargs)
                 if kind == REMOTE:
                     self._kept.keep(key, value)
                     value = None
                 reply_kind = VALUE
-                reply = None if value is None else encode(value, f"the result for {self._who(src)}")
+                reply = None if value is None else encode(value, f"the result for {self.member(src)}")
             except Exception as exc:
                 if kind == REMOTE:
                     self._kept.abandon(key)
@@ -855,7 +816,7 @@ class C10dTransport:
         for pending in calls:
             self._pending.pop(pending.call_id)
             self._orphan_locked(pending)
-            pending.fail(ConnectionError(f"{pending.what} to {self._who(rank)} failed: {why}"))
+            pending.fail(ConnectionError(f"{pending.what} to {self.member(rank)} failed: {why}"))
         if calls:
             self._idle.notify_all()
 
@@ -871,10 +832,9 @@ class C10dTransport:
             self._idle.notify_all()
         self._kept.forget(rank)
         logger.warning(
-            "c10d transport of %s: %s is unreachable: %s", self._who(self._rank), self._who(rank), why
+            "c10d transport of %s: %s is unreachable: %s", self.member(self._rank), self.member(rank), why
         )
-        if lane is not None:
-            lane.put(STOP)
+        lane.stop()
 
     # -- housekeeping ----------------------------------------------------------------------------------------
 
@@ -900,7 +860,7 @@ class C10dTransport:
             if item is STOP:
                 return
             if isinstance(item, tuple):
-                self._release(*item)
+                self.release_value(*item)
             self._expire_due(time.monotonic())
             self._keep_alive(time.monotonic())
 
@@ -925,8 +885,8 @@ class C10dTransport:
             elif now - peer.last_sent >= self._keepalive:
                 self._send(peer.rank, PING, 0)
 
-    def _queue_release(self, owner: int, ref_id: int) -> None:
-        """Queue a release for the housekeeper (safe from a garbage-collector callback)."""
+    def release_value_later(self, owner: int, ref_id: int) -> None:
+        """Queue :meth:`release_value` for the housekeeper (safe from a garbage-collector callback)."""
         self._chores.put((owner, ref_id))
 
     def __reduce__(self) -> Any:

@@ -1,10 +1,11 @@
-"""The c10d RPC backend: the :class:`~._c10d_transport.C10dTransport` as a :class:`~._backend.RpcBackend`.
+"""The c10d RPC backend: the :class:`~.transport.C10dTransport` as an RPC backend.
 
-It addresses members by name (the transport by rank) and is started (``_backends``) on links it makes through
-the World's store: a gloo process group per pair of members (:func:`pc_distributed._torch_dist.pair_link`),
-never ``torch.distributed.rpc``. Its remote values are :class:`~._c10d_ref.C10dRemoteRef`. Errors are
-already the RPC layer's (``TimeoutError``/``ConnectionError`` naming the member, ``TypeError`` for a payload
-that cannot be pickled), since the transport pickles with pc-pickle.
+It is a :class:`~pc_distributed.rpc._backend.RpcBackend` that addresses members by name (the transport by
+rank) and is started (``_backends``) on links it makes through the World's store: a gloo process group per
+pair of members (:func:`pc_distributed._torch_dist.pair_link`), never ``torch.distributed.rpc``. Its remote
+values are :class:`~.ref.C10dRemoteRef`. Errors are already the RPC layer's (``TimeoutError``/
+``ConnectionError`` naming the member, ``TypeError`` for a payload that cannot be pickled), since the
+transport pickles with pc-pickle.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ import torch
 from pc_distributed import _torch_dist
 from pc_distributed._bounded import call_bounded
 from pc_distributed.rpc._backend import BackendSetup
-from pc_distributed.rpc._c10d_ref import C10dRemoteRef
-from pc_distributed.rpc._c10d_transport import C10dTransport
+from pc_distributed.rpc._c10d.ref import C10dRemoteRef
+from pc_distributed.rpc._c10d.transport import C10dTransport
 
 __all__ = ["C10dBackend"]
 
 
 class C10dBackend:
-    """RPC over a gloo link per pair of members, with pc-pickle (see :mod:`~._c10d_transport`).
+    """RPC over a gloo link per pair of members, with pc-pickle (see :mod:`~.transport`).
 
     Create it with :meth:`start`; each member of the World starts one.
     """

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from pc_distributed import _torch_dist
 from pc_distributed._bounded import WAIT_GRACE, call_bounded
+from pc_distributed._store._torch_store import prefix_store, store_client
 
 __all__ = ["StoreClosedError", "WaitStores"]
 
@@ -49,7 +49,7 @@ class WaitStores:
         self._free: list[Any] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._shared = _torch_dist.prefix_store(prefix, raw)
+        self._shared = prefix_store(prefix, raw)
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         """Block until every key (relative to the prefix) exists, on a client no other thread uses.
@@ -92,8 +92,8 @@ class WaitStores:
                 raise StoreClosedError("the World's store has been closed (World.stop)")
             if self._free:
                 return self._free.pop()
-        client = _torch_dist.store_client(self._raw, self._timeout)
-        return None if client is None else _torch_dist.prefix_store(self._prefix, client)
+        client = store_client(self._raw, self._timeout)
+        return None if client is None else prefix_store(self._prefix, client)
 
     def _give_back(self, client: Any) -> None:
         with self._lock:

@@ -1,52 +1,23 @@
-"""Small operations on a torch.distributed ``Store``: atomic claims, look-ups, timed waits and a barrier.
+"""Timed waits for keys and a repeatable barrier, both on a store.
 
-The directory of an :class:`~pc_distributed.RpcGroup` and all barriers live here. Only the store is used (no
-RPC threads), so nothing ever nests an RPC inside an RPC handler. Short requests go through the World's shared
-client; every blocking wait goes through :class:`~pc_distributed._store_waits.WaitStores` (a connection of
-its own), so that a thread waiting here never stalls another thread's requests.
+Every blocking wait goes through a :class:`~pc_distributed._store._client.Waiter` (the World's
+:class:`~pc_distributed._store._waits.WaitStores`, a connection of its own), so that a thread waiting here
+never stalls another thread's short requests on the shared client; a timeout becomes a ``TimeoutError`` naming
+what was missing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch.distributed as dist
 
-from pc_distributed._store_waits import StoreClosedError
-from pc_distributed._torch_dist import Store
+from pc_distributed._store._client import Waiter
+from pc_distributed._store._torch_store import Store
+from pc_distributed._store._waits import StoreClosedError
 
-__all__ = ["StoreBarrier", "Waiter", "arrival_key", "claim", "lookup", "release", "wait_keys"]
-
-
-class Waiter(Protocol):
-    """Something that blocks until keys exist (``WaitStores``): raises the store's error on a timeout."""
-
-    def wait(self, keys: Sequence[str], timeout: float) -> None: ...
-
-
-# compare_set on a missing key with a non-empty expected value returns that value unchanged and sets nothing,
-# so comparing against a value no owner can have is an atomic one-round-trip look-up.
-_ABSENT = "\x00absent"
-
-
-def claim(store: Store, key: str, owner: str) -> str:
-    """Set ``key`` to ``owner`` if it is unset (atomically); return the recorded owner (first writer wins)."""
-    return _text(store.compare_set(key, "", owner))
-
-
-def lookup(store: Store, key: str) -> str | None:
-    """Return the owner recorded under ``key``, or None (one atomic round trip)."""
-    value = _text(store.compare_set(key, _ABSENT, _ABSENT))
-    return None if value == _ABSENT else value
-
-
-def release(store: Store, key: str, owner: str) -> bool:
-    """Delete ``key`` if ``owner`` holds it; return whether it did."""
-    if lookup(store, key) != owner:
-        return False
-    return bool(store.delete_key(key))
+__all__ = ["StoreBarrier", "arrival_key", "wait_keys"]
 
 
 def wait_keys(store: Store, waiter: Waiter, keys: Sequence[str], timeout: float, what: str) -> None:
@@ -134,7 +105,3 @@ class StoreBarrier:
             raise TimeoutError(
                 f"barrier {prefix!r} timed out after {timeout:g} s; members that did not arrive: {missing}"
             ) from exc
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value

@@ -11,9 +11,9 @@ header starts with eight little-endian int64 words::
 ``flags`` has bit 0 set when the body rides inside the header, and bit 1 when the frame's first message of
 parts goes to the receive posted ahead for it (below).
 
-The body is the parts' sizes (one int64 each) followed by the message's head (:class:`~._c10d_codec.Encoded`).
+The body is the parts' sizes (one int64 each) followed by the message's head (:class:`~.codec.Encoded`).
 A part is a large tensor storage, sent from the tensor's own memory and received into memory that the
-receiver's rebuilt tensor then owns (lent by :class:`~._c10d_memory.Buffers`, which gets it back once that
+receiver's rebuilt tensor then owns (lent by :class:`~.memory.Buffers`, which gets it back once that
 tensor is freed): neither side copies it. A size word with bit :data:`_STAGED` set is a part that the
 receiver copies onto a CUDA device (the pinned host copy of a CUDA storage): it is received
 into pinned memory, which torch's host allocator reuses from call to call, so the receive writes into pages
@@ -63,8 +63,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pc_distributed.rpc._c10d_codec import Encoded
-from pc_distributed.rpc._c10d_memory import Buffers, bytes_tensor, carve, host_view
+from pc_distributed.rpc._c10d.codec import Encoded
+from pc_distributed.rpc._c10d.memory import Buffers, bytes_tensor, carve, host_view
 
 __all__ = [
     "BYE",
@@ -241,7 +241,7 @@ def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
 
     The gaps are zeros. The bytes are copied by memoryviews, holding the GIL: one tensor op (the pack's own
     creation) instead of two per part, each of which would let another thread take the GIL and this one wait
-    for it to give it back (see :func:`~._c10d_memory.host_view`).
+    for it to give it back (see :func:`~.memory.host_view`).
     """
     offsets, end = _offsets([p.numel() for p in parts])
     pack = torch.empty(end, dtype=torch.uint8)
@@ -406,7 +406,7 @@ def post_header(group: Any, src: int, taken: HeaderReceive | None = None) -> Hea
     """Post the receive of the next header from rank ``src`` of the link ``group``, without waiting for it.
 
     ``taken``, a receive of the same link whose header was taken, lends its memory (a tensor op fewer per
-    frame: each op releases the GIL, see :func:`~._c10d_memory.host_view`).
+    frame: each op releases the GIL, see :func:`~.memory.host_view`).
 
     The receive is announced to the peer as soon as it is posted, so a send that comes later goes out at once
     (one message). Headers and the rest of a frame travel under different tags, so the next header's receive

@@ -1,6 +1,6 @@
 """The c10d transport's receive memory, kept for reuse: blocks that come back once what they hold is freed.
 
-Kept apart from :mod:`pc_distributed.rpc._c10d_frames` (what a frame is and how it travels): this is where the
+Kept apart from :mod:`pc_distributed.rpc._c10d.frames` (what a frame is and how it travels): this is where the
 frames' bytes land, and when that memory may be received into again.
 """
 
