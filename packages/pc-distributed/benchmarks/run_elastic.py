@@ -170,7 +170,7 @@ def fault_worker(rank: int, steps: int, kill_at: int, join_at: int) -> dict[str,
 # steps (written aside, then renamed), resumed from on a restart; rank 2 of the first incarnation SIGKILLs
 # itself inside step ``kill_at``.
 _TORCHRUN_WORKER = """
-import os, signal, sys, time
+import datetime, os, signal, sys, time
 import torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -178,7 +178,12 @@ from torch.nn.parallel import DistributedDataParallel
 out, steps, kill_at, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 torch.set_num_threads(1)
-dist.init_process_group("gloo")
+# The agent's store under a prefix of this incarnation: keys of the killed one must not be read again.
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                      timeout=datetime.timedelta(seconds=60))
+world = int(os.environ["WORLD_SIZE"])
+scoped = dist.PrefixStore(f"attempt{restart}", store)
+dist.init_process_group("gloo", store=scoped, rank=rank, world_size=world)
 torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
 sgd = torch.optim.SGD(net.parameters(), lr=0.01)

@@ -8,6 +8,7 @@ hanging processes is in ``test_distributed_elastic_world.py``.
 from __future__ import annotations
 
 import itertools
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -324,3 +325,33 @@ def test_a_member_whose_attempt_was_forgotten_enters_where_the_others_are(
     finally:
         membership.stop()
         stores.close()
+
+
+def test_a_member_silent_at_the_boundary_is_left_out_one_member_timeout_after_its_last_beat() -> None:
+    from pc_distributed.parallel.elastic import _quorum
+    from pc_distributed.parallel.elastic._membership import Membership
+
+    store = dist.HashStore()
+    ours, theirs = _connect.connect(store, "j", 5.0), _connect.connect(store, "j", 5.0)
+    me = Membership(ours.beat, "b", 0.05, 0.5)
+    ghost = Membership(theirs.beat, "ghost", 0.05, 0.5)  # enlisted, never beats: died right after
+    # A wait slice (period) far longer than member_timeout: the boundary must still see the ghost die on time.
+    rules = _quorum.QuorumRules(min_members=1, initial_members=1, max_members=8, timeout=60.0, period=30.0)
+    try:
+        ghost.claim()
+        ghost.enlist()
+        me.claim()
+        me.enlist()
+        me.start()
+        assert me.until_expiry(["b"]) == float("inf")  # this member never expires for itself
+        assert 0.0 < me.until_expiry(["ghost", "b"]) <= 0.5
+        started = time.monotonic()
+        quorum = _quorum.form_quorum(ours, me, 0, -1, rules)
+        waited = time.monotonic() - started
+        assert quorum.members == ("b",)
+        assert waited < 10.0, waited  # about member_timeout (0.5 s); a whole slice (30 s) before
+        assert me.until_expiry(["ghost"]) == float("inf")  # dead now
+    finally:
+        me.stop()
+        ours.close()
+        theirs.close()

@@ -18,9 +18,11 @@ same thread that beats refreshes this view, so one thread per member does both.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 
 from pc_distributed._store import BoundedStore
 
@@ -140,6 +142,21 @@ class Membership:
                 return False
             last = self._seen.get(name)
         return last is not None and time.monotonic() - last[1] < self._timeout
+
+    def until_expiry(self, names: Sequence[str]) -> float:
+        """Seconds until the first of ``names`` that is alive now would count as dead if it beat no more.
+
+        A wait for those members ends then at the latest, so that a member that died during the wait is
+        seen dead one ``member_timeout`` after its last beat, not up to one wait later. ``inf`` if none of
+        them is alive (or the only one is this member).
+        """
+        now = time.monotonic()
+        with self._lock:
+            last = [
+                self._seen[n][1] for n in names if n != self.name and n not in self._left and n in self._seen
+            ]
+        ends = [t + self._timeout - now for t in last if t + self._timeout > now]
+        return max(0.0, min(ends)) if ends else math.inf
 
     def registered(self) -> list[str]:
         """Every name registered so far, in join order."""

@@ -55,6 +55,9 @@ __all__ = [
     "start_attempt",
 ]
 
+_PAST_EXPIRY = 0.01
+"""Seconds a wait outlasts the moment a silent member turns dead (so that it is dead when the wait ends)."""
+
 COMMIT = "commit"
 ABORT = "abort"
 RETAIN = 64
@@ -226,10 +229,12 @@ def form_quorum(
         live = [n for n in order if membership.alive(n)]
         ready_keys = {n: f"ready/{attempt}/{n}" for n in live}
         # One request in the common case: returns as soon as every live member is at the boundary.
-        everyone = _wait_slice(stores, list(ready_keys.values()), min(period, deadline - time.monotonic()))
+        wait = min(period, membership.until_expiry(live) + _PAST_EXPIRY, deadline - time.monotonic())
+        everyone = _wait_slice(stores, list(ready_keys.values()), wait)
         if everyone and me != min(live) and not deferred:
             deferred = True  # the lowest live member proposes; the others read its proposal
-            if _wait_slice(stores, [key], min(period, deadline - time.monotonic())):
+            wait = min(period, membership.until_expiry(live) + _PAST_EXPIRY, deadline - time.monotonic())
+            if _wait_slice(stores, [key], wait):
                 return Quorum.from_json(store.get(key))
         if store.check([key]):
             return Quorum.from_json(store.get(key))
@@ -318,7 +323,10 @@ def decide(
         done_keys = [f"done/{a}/{n}" for n in quorum.members]
         deadline = time.monotonic() + timeout
         while True:
-            if _wait_slice(stores, done_keys, min(period, deadline - time.monotonic())):
+            wait = min(
+                period, membership.until_expiry(quorum.members) + _PAST_EXPIRY, deadline - time.monotonic()
+            )
+            if _wait_slice(stores, done_keys, wait):
                 verdict = COMMIT
                 break
             if store.check([key]):
