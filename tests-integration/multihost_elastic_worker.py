@@ -10,7 +10,7 @@ parameters, the error it raised and when) and leaves at once (``os._exit``: torc
 on lost peers).
 
 Times are ``time.time()`` (one machine, one clock: comparable with the test's), reported, never checked here.
-The model, the data and :func:`replay` (the single-process replay of a quorum log) are shared with the test.
+The model, the data and the replay of a quorum log are the package tests' (``distributed_elastic_testutils``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,11 @@ from typing import Any
 
 import torch
 
-from pc_distributed import ElasticDataParallel, ElasticSampler, StepContext
+from pc_distributed import ElasticDataParallel, StepContext
+
+# The model, the data and the replay are the elastic package tests' (one definition for both suites).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "pc-distributed" / "tests"))
+import distributed_elastic_testutils as elastic
 
 STEPS = 8
 HOLD = 3  # the step inside which every member waits for the test's fault
@@ -35,54 +39,10 @@ COLLECTIVE_TIMEOUT = 5.0
 STORE_TIMEOUT = 5.0
 GO_WAIT = 120.0  # seconds a held member waits for the test's ``go``
 
-SAMPLER = ElasticSampler(num_samples=96, batch_size=12, seed=5)
-_GEN = torch.Generator().manual_seed(99)
-X = torch.randn(96, 5, dtype=torch.float64, generator=_GEN)
-Y = torch.randn(96, 2, dtype=torch.float64, generator=_GEN)
-
-
-def make_model(name: str) -> torch.nn.Module:
-    """A small float64 MLP whose start depends on ``name`` only (so the replay knows the job's start)."""
-    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
-    gen = torch.Generator().manual_seed(sum(ord(c) * 31**i for i, c in enumerate(name)) % (2**31))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, dtype=p.dtype, generator=gen))
-    return model
-
-
-def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    """SGD with momentum (state that the quorum's source hands over with the model)."""
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-
-def shard_loss(model: torch.nn.Module, step: int, members: Sequence[str], member: str) -> int:
-    """Forward and backward on ``member``'s share of step ``step``; return the samples trained."""
-    idx = SAMPLER.indices(step, list(members), member)
-    torch.nn.functional.mse_loss(model(X[idx]), Y[idx]).backward()
-    return len(idx)
-
 
 def replay(log: Sequence[tuple[int, Sequence[str]]]) -> list[list[float]]:
-    """Replay a complete quorum log (steps 0, 1, ... in order) in one process; return the final parameters.
-
-    Each step: every member's gradient on its share, weighted by the share's size, averaged; one SGD step.
-    """
-    model = make_model(min(log[0][1]))  # the first quorum's source: its lowest name
-    opt = make_optimizer(model)
-    for step, members in log:
-        total = [torch.zeros_like(p) for p in model.parameters()]
-        weight = 0
-        for member in sorted(members):
-            model.zero_grad()
-            n = shard_loss(model, step, sorted(members), member)
-            for acc, p in zip(total, model.parameters(), strict=True):
-                acc += p.grad * n
-            weight += n
-        for acc, p in zip(total, model.parameters(), strict=True):
-            p.grad = acc / weight
-        opt.step()
-    return flat_params(model)
+    """The package tests' single-process replay of a complete quorum log, as :func:`flat_params` gives it."""
+    return [p.reshape(-1).tolist() for p in elastic.replay(log)]
 
 
 def flat_params(model: torch.nn.Module) -> list[list[float]]:
@@ -110,13 +70,13 @@ def main() -> None:
     torch.set_num_threads(1)
     host = int(os.environ["PC_MH_HOST"])
     name = f"h{host}"
-    model = make_model(name)
+    model = elastic.make_model(name)
     obs: dict[str, Any] = {"name": name, "log": [], "aborted": 0}
     edp = None
     try:
         edp = ElasticDataParallel(
             model,
-            make_optimizer(model),
+            elastic.make_optimizer(model),
             name=name,
             job="mh",
             min_members=min_members,
@@ -134,7 +94,7 @@ def main() -> None:
             if ctx.step == HOLD and not held:
                 held = True
                 _hold(out, host)
-            return shard_loss(model, ctx.step, ctx.members, ctx.member)
+            return elastic.shard_loss(model, ctx)
 
         while edp.step < STEPS:
             entry = edp.train_step(compute)
