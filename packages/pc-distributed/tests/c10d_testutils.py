@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -169,3 +170,34 @@ def run_ranks(
 def pid() -> int:
     """This process's id (a function the tests send to other ranks)."""
     return os.getpid()
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # gone: nothing of it runs
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue  # the thread ended
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped.
+
+    ``kill`` only queues the signal: a thread running on another CPU can go on (and answer a call) for a
+    moment after it returns. The kernel offers no wake-up for a stop, so the state is polled until
+    ``timeout``, then ``TimeoutError``.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not _all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} was not stopped {timeout:g} s after SIGSTOP")
+        time.sleep(0.001)

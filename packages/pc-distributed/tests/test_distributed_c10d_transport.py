@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from c10d_testutils import DIED, make_links, run_ranks, store_barrier
+from c10d_testutils import DIED, make_links, run_ranks, stop_process, store_barrier
 
 from pc_distributed._errors import RemoteTraceback
 from pc_distributed.rpc._c10d import frames
@@ -840,7 +840,7 @@ def _peer_stalled(rank: int, t: C10dTransport, store: Any) -> dict[str, Any]:
     if rank == 2:
         store.wait(["never"], timedelta(seconds=120))  # stopped meanwhile; killed at the end
     if rank == 0:
-        os.kill(int(store.get("pid/2")), signal.SIGSTOP)
+        stop_process(int(store.get("pid/2")))  # returns once it is stopped, not only signalled
         with pytest.raises(TimeoutError, match="'w2'"):
             t.call_sync(2, os.getpid, timeout=1.0)
         store.set("stopped", "1")
