@@ -34,13 +34,13 @@ def test_daso_two_simulated_nodes() -> None:
 def test_daso_gpu_nccl_two_nodes_of_one(cuda_devices: int) -> None:
     if cuda_devices < 2:
         pytest.skip("needs 2 CUDA devices: NCCL runs one rank per distinct GPU (the gloo form shares one)")
-    results = run_world(tu.daso_gpu_worker, 2, init_rpc=False, backend="nccl", timeout=170)
+    results = run_world(tu.daso_gpu_worker, 2, init_rpc=False, dist_backend="nccl", timeout=170)
     assert results[0] == results[1]
 
 
 @pytest.mark.gpu
 def test_daso_gpu_two_nodes_of_one_sharing_one_gpu_over_gloo() -> None:
-    results = run_world(tu.daso_gpu_worker, 2, args=(0,), init_rpc=False, backend="gloo", timeout=170)
+    results = run_world(tu.daso_gpu_worker, 2, args=(0,), init_rpc=False, dist_backend="gloo", timeout=170)
     assert results[0] == results[1]
     assert torch.tensor(results[0]).isfinite().all()
 
@@ -49,13 +49,13 @@ def test_daso_gpu_two_nodes_of_one_sharing_one_gpu_over_gloo() -> None:
 def test_dp_gpu_nccl_blocking_matches_across_ranks(cuda_devices: int) -> None:
     if cuda_devices < 2:
         pytest.skip("needs 2 CUDA devices: NCCL runs one rank per distinct GPU (the gloo form shares one)")
-    results = run_world(tu.dp_gpu_worker, 2, init_rpc=False, backend="nccl", timeout=170)
+    results = run_world(tu.dp_gpu_worker, 2, init_rpc=False, dist_backend="nccl", timeout=170)
     assert results[0] == results[1]
     assert torch.tensor(results[0]).isfinite().all()
 
 
 @pytest.mark.gpu
 def test_dp_gpu_blocking_matches_across_ranks_sharing_one_gpu_over_gloo() -> None:
-    results = run_world(tu.dp_gpu_worker, 2, args=(0,), init_rpc=False, backend="gloo", timeout=170)
+    results = run_world(tu.dp_gpu_worker, 2, args=(0,), init_rpc=False, dist_backend="gloo", timeout=170)
     assert results[0] == results[1]
     assert torch.tensor(results[0]).isfinite().all()

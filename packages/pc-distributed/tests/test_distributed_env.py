@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from pc_distributed._checks import optional_timeout
+from pc_distributed._checks import optional_timeout, resolve_timeout
 from pc_distributed._errors import RankDiedError, RemoteTraceback, portable_exception, reraise_remote
-from pc_distributed._transport import is_timeout, resolve_timeout, transport_error
+from pc_distributed._torch_errors import is_timeout, peer_error
 from pc_distributed.world._env import check_name, resolve_world_spec
 
 
@@ -140,23 +140,21 @@ def test_one_timeout_convention() -> None:
             optional_timeout("timeout", bad)
 
 
-def test_transport_errors_are_classified_by_type_first() -> None:
+def test_peer_errors_are_classified_by_type_first() -> None:
     import torch.distributed as dist
 
     # By type: the message would say otherwise.
     network = dist.DistNetworkError("timed out? no: the peer closed the connection")
-    assert isinstance(transport_error(network, "peer", "rpc"), ConnectionError)
+    assert isinstance(peer_error(network, "peer", "rpc"), ConnectionError)
     assert not is_timeout(network)
-    assert isinstance(transport_error(ConnectionResetError("timeout"), "peer", "rpc"), ConnectionError)
-    timeout = transport_error(TimeoutError("anything"), "peer", "rpc_sync")
+    assert isinstance(peer_error(ConnectionResetError("timeout"), "peer", "rpc"), ConnectionError)
+    timeout = peer_error(TimeoutError("anything"), "peer", "rpc_sync")
     assert isinstance(timeout, TimeoutError)
     assert "rpc_sync to 'peer' timed out" in str(timeout)
     # The documented fallback for torch's RPC agent, which raises a plain RuntimeError for both.
-    assert isinstance(
-        transport_error(RuntimeError("RPC ran for more than set timeout"), "p", "rpc"), TimeoutError
-    )
-    assert isinstance(transport_error(RuntimeError("Connection reset by peer"), "p", "rpc"), ConnectionError)
-    other = transport_error(RuntimeError("something else"), "p", "rpc")
+    assert isinstance(peer_error(RuntimeError("RPC ran for more than set timeout"), "p", "rpc"), TimeoutError)
+    assert isinstance(peer_error(RuntimeError("Connection reset by peer"), "p", "rpc"), ConnectionError)
+    other = peer_error(RuntimeError("something else"), "p", "rpc")
     assert type(other) is RuntimeError
     assert "rpc to 'p' failed" in str(other)
 
@@ -168,7 +166,7 @@ def test_tensorpipes_refusal_of_a_cuda_tensor_is_a_value_error_naming_the_backen
         "sending them over RPC, or call `set_device_map` on `TensorPipeRpcBackendOptions` to explicitly "
         "configure device mapping. Request device mapping is not available for destination worker1"
     )
-    error = transport_error(refused, "1", "rpc_sync")
+    error = peer_error(refused, "1", "rpc_sync")
     assert type(error) is ValueError
     assert "rpc_sync to '1'" in str(error)
     assert "rpc_backend='c10d'" in str(error)

@@ -195,6 +195,26 @@ def test_run_world_bad_arguments() -> None:
         pd.run_world(_rank_times_ten, 1, timeout=0)
 
 
+def _world_dist_backend(rank: int) -> str:
+    world = pd.get_world()
+    assert world is not None
+    return str(world.dist_backend)
+
+
+def test_run_world_names_the_process_group_backend_as_world_does() -> None:
+    """``dist_backend=`` (World's name) and ``backend=`` (its older name) reach every rank's World."""
+    both = pd.run_world(_world_dist_backend, 2, init_rpc=False, dist_backend="gloo", timeout=60)
+    assert both == ["gloo", "gloo"]
+    assert pd.run_world(_world_dist_backend, 1, init_rpc=False, backend="gloo", timeout=60) == ["gloo"]
+    assert pd.run_world(_world_dist_backend, 1, init_rpc=False, timeout=60) == ["gloo"]
+    children = psutil.Process().children()
+    with pytest.raises(TypeError, match="dist_backend or backend"):
+        pd.run_world(_world_dist_backend, 1, backend="gloo", dist_backend="gloo")
+    assert psutil.Process().children() == children
+    with pytest.raises(ValueError, match="'teleport'"):
+        pd.run_world(_world_dist_backend, 1, init_rpc=False, dist_backend="teleport", timeout=60)
+
+
 def test_run_world_refuses_fork_with_rpc_where_cuda_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forked ranks cannot start TensorPipe where CUDA is present: a clear error, no rank started."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -37,7 +37,7 @@ def _nccl_checks(rank: int) -> dict[str, Any]:
 @pytest.mark.gpu
 def test_nccl_collectives_one_rank_per_device(cuda_devices: int) -> None:
     size = min(cuda_devices, 2)
-    results = pd.run_world(_nccl_checks, size, backend="nccl", init_rpc=False, timeout=170)
+    results = pd.run_world(_nccl_checks, size, dist_backend="nccl", init_rpc=False, timeout=170)
     total = float(sum(range(1, size + 1)))
     for r in results:
         assert r["all_reduce"] == [total] * 4

@@ -72,10 +72,10 @@ def _checks(rank: int) -> dict[str, Any]:
     world = pd.get_world()
     assert world is not None
     out: dict[str, Any] = {
-        "backend": (type(world.rpc_transport).__name__, getattr(world.rpc_transport, "name", None)),
+        "backend": (type(world.rpc_agent).__name__, getattr(world.rpc_agent, "name", None)),
     }
-    recorder = _Recorder(world.rpc_transport)
-    world.rpc_transport = recorder
+    recorder = _Recorder(world.rpc_agent)
+    world.rpc_agent = recorder
     group = world.create_rpc_group("seam", ["0", "1"])
     if rank == 1:
         group.register("add", _add)

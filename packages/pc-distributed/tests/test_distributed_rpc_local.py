@@ -42,8 +42,8 @@ class _RpcCounter:
         self.count = 0
         world = pd.get_world()
         assert world is not None
-        assert world.rpc_transport is not None
-        self._backend = world.rpc_transport
+        assert world.rpc_agent is not None
+        self._backend = world.rpc_agent
         self._orig = {n: getattr(self._backend, n) for n in self._SENDS}
 
     def __enter__(self) -> _RpcCounter:

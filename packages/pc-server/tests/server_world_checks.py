@@ -39,9 +39,9 @@ class _CallCounter:
         self.count = 0
         world = pd.get_world()
         assert world is not None
-        assert world.rpc_transport is not None
+        assert world.rpc_agent is not None
         self._world = world
-        self._backend = world.rpc_transport
+        self._backend = world.rpc_agent
 
     def __getattr__(self, name: str) -> Any:  # the proxy's side: only for names the counter lacks
         attr = getattr(self._backend, name)
@@ -55,11 +55,11 @@ class _CallCounter:
         return counted
 
     def __enter__(self) -> _CallCounter:
-        self._world.rpc_transport = self  # type: ignore[assignment]
+        self._world.rpc_agent = self  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._world.rpc_transport = self._backend
+        self._world.rpc_agent = self._backend
 
 
 def _bump(model: torch.nn.Module) -> None:

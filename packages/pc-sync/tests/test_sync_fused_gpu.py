@@ -188,7 +188,7 @@ def test_two_ranks_sharing_one_gpu_on_the_operators_match_the_full_batch() -> No
     results = pd.run_world(
         shared_gpu_fused_world,
         2,
-        backend="gloo",
+        dist_backend="gloo",
         init_rpc=False,
         timeout=300,
         dist_timeout=60,

@@ -5,9 +5,9 @@ RemoteRef), ``collective`` (CollectiveGroup), ``parallel`` (DataParallel and its
 ``parallel.daso`` (DASO) and ``parallel.elastic`` (ElasticDataParallel). The underscored modules at this
 level are the layer under all of them: the torch-facing calls for process groups, pair links and RPC
 (``_torch_dist``), the store layer (``_store``, a subpackage with its own torch-facing module), argument
-checks (``_checks``), the timeout convention and transport errors (``_transport``), the bound on calls torch
-may block in forever (``_bounded``), the World as the groups see it (``_host``), the one-thread guard
-(``_one_thread``) and the remote-error types (``_errors``).
+checks and the timeout convention (``_checks``), how torch's failures are read (``_torch_errors``), the
+bound on calls torch may block in forever (``_bounded``), the World as the groups see it (``_host``), the
+one-thread guard (``_one_thread``) and the remote-error types (``_errors``).
 """
 
 from pc_distributed.__about__ import __version__

@@ -8,16 +8,26 @@ Seconds (every timeout of the package) are finite and at most :data:`MAX_TIMEOUT
 infinite, and torch cannot take longer ones everywhere (TensorPipe's RPC agent counts a call's timeout in
 32-bit milliseconds, about 24.8 days, and turns a longer one into an instant timeout). A longer wait is a
 loop of bounded ones in the caller.
+
+**The timeout convention.** Every ``timeout`` argument of pc-distributed means the same: ``None`` is the
+owner's default (an RPC call: the World's ``rpc_timeout``; a group barrier: the World's
+``rpc_timeout``; ``irecv().wait``: the group's timeout; ``World.stop``: ``rpc_timeout``), any other value is a
+number of seconds > 0 and at most ``MAX_TIMEOUT`` (longer, infinite and NaN are a ``ValueError`` at the
+call). ``-1`` is accepted everywhere as another name for ``None``, for code written against the original API
+(:func:`resolve_timeout`). A call's timeout bounds the caller's whole wait on both RPC backends, whatever the
+backend's threads do (calls nested deeper than a member's handler threads included: see
+:mod:`pc_distributed.rpc._tensorpipe`).
 """
 
 from __future__ import annotations
 
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 __all__ = [
     "DEFAULT",
     "MAX_TIMEOUT",
     "bool_flag",
+    "check_call_args",
     "int_at_least",
     "int_in_range",
     "integer",
@@ -26,6 +36,7 @@ __all__ = [
     "positive_int",
     "positive_number",
     "positive_seconds",
+    "resolve_timeout",
 ]
 
 # Another name for "the default" (``None``) that every ``timeout`` argument of the package accepts.
@@ -168,3 +179,22 @@ def bool_flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise _wrong_type(name, "a bool", value)
     return value
+
+
+def resolve_timeout(timeout: object, default: float) -> float:
+    """Seconds of a wait: ``timeout`` if it is not the default (``None`` or ``-1``), else ``default``."""
+    seconds = optional_timeout("timeout", timeout)
+    return default if seconds is None else seconds
+
+
+def check_call_args(args: object, kwargs: object) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Validate ``args``/``kwargs`` of a call and return them as a tuple and a dict.
+
+    Raises:
+        TypeError: If ``args`` is not a tuple or list, or ``kwargs`` not a dict or None.
+    """
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
+    return tuple(args), dict(kwargs or {})

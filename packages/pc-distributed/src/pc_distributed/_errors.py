@@ -11,7 +11,14 @@ import contextlib
 import pickle
 import traceback
 
-__all__ = ["RankDiedError", "RemoteTraceback", "add_note", "portable_exception", "reraise_remote"]
+__all__ = [
+    "RankDiedError",
+    "RemoteTraceback",
+    "add_note",
+    "portable_exception",
+    "reraise_remote",
+    "with_cause",
+]
 
 
 class RemoteTraceback(Exception):  # noqa: N818 - named like concurrent.futures.process._RemoteTraceback
@@ -100,3 +107,9 @@ def add_note(exc: BaseException, note: str) -> None:
         return
     with contextlib.suppress(AttributeError):  # no __dict__ (a __slots__ type): nowhere to keep it
         exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+def with_cause(exc: BaseException, cause: BaseException) -> BaseException:
+    """Return ``exc`` with ``__cause__`` set to ``cause`` (for exceptions handed to futures)."""
+    exc.__cause__ = cause
+    return exc

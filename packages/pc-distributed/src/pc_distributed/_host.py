@@ -42,7 +42,7 @@ class GroupHost(Protocol):
     @property
     def waits(self) -> Waiter: ...
     @property
-    def rpc_transport(self) -> Any:
+    def rpc_agent(self) -> Any:
         """The World's RPC backend (``rpc._backend.RpcBackend``; None without RPC): what calls travel on."""
 
     @property

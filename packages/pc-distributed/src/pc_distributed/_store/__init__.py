@@ -13,8 +13,8 @@ joins. Its modules, one concept each:
 - ``_keys``: atomic claims and look-ups (:func:`claim`, :func:`lookup`, :func:`release`).
 - ``_barrier``: timed waits for keys (:func:`wait_keys`) and the repeatable :class:`StoreBarrier`.
 
-The layer imports nothing of pc_distributed but the bottom-layer helpers (``_bounded``, ``_transport``); the
-modules inside it import each other directly, never through this package.
+The layer imports nothing of pc_distributed but the bottom-layer helpers (``_bounded``,
+``_torch_errors``); the modules inside it import each other directly, never through this package.
 """
 
 from pc_distributed._store._barrier import StoreBarrier, arrival_key, wait_keys

@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from pc_distributed._bounded import WAIT_GRACE
-from pc_distributed._transport import is_connection_loss
+from pc_distributed._torch_errors import is_connection_loss
 
 __all__ = ["BoundedStore"]
 

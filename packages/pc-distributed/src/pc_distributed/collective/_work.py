@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pc_distributed._transport import is_timeout, resolve_timeout
+from pc_distributed._checks import resolve_timeout
+from pc_distributed._torch_errors import is_timeout
 
 __all__ = ["ChainedWork", "RecvHandle"]
 

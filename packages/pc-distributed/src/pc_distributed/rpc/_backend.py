@@ -1,13 +1,13 @@
-"""The RPC layer's transport seam: what ``RpcGroup`` and ``RemoteRef`` need from an RPC backend.
+"""The RPC layer's backend seam: what ``RpcGroup`` and ``RemoteRef`` need from an RPC backend.
 
 A World owns one backend, started with it and shut down by :meth:`World.stop`; the groups reach it through
-their World (``GroupHost.rpc_transport``) and never call a transport themselves. A backend carries calls
+their World (``GroupHost.rpc_agent``) and never start or stop it themselves. A backend carries calls
 between the World's members, addressed by member name:
 
 - **call** a module-level function on a member and get its return value back: blocking (:meth:`call_sync`),
   as a future (:meth:`call`), or kept on the member behind a reference (:meth:`remote`);
 - **time out**: every call is bounded by its ``timeout``, then fails with ``TimeoutError`` naming the member,
-  whatever the transport's own threads do: also while every thread that runs handlers (or completes replies)
+  whatever the backend's own threads do: also while every thread that runs handlers (or completes replies)
   waits for calls of its own, as in a chain of nested calls deeper than the member's pool;
 - **detect a dead member**: a call to a member that died or became unreachable fails within its timeout,
   with ``ConnectionError`` or ``TimeoutError`` naming it;
@@ -17,7 +17,7 @@ What a call runs on the member is the RPC layer's own (``_remote``): a target th
 envelope, so the remote exception and its traceback travel as a value and the caller re-raises it with its
 original type. A backend only carries values. Transport failures may surface as the backend's own error
 types: ``TimeoutError``/``ConnectionError``, or torch's ``RuntimeError``/``OSError``, which the RPC layer
-maps with :func:`pc_distributed._transport.transport_error`; a payload that cannot be pickled raises
+maps with :func:`pc_distributed._torch_errors.peer_error`; a payload that cannot be pickled raises
 (``TypeError``, ``AttributeError`` or ``pickle.PicklingError``) before anything is sent.
 
 A backend is a class (:class:`BackendType`) with a name and a ``start`` that takes one
@@ -87,7 +87,7 @@ class RemoteValue(Protocol):
 
 
 class RpcBackend(Protocol):
-    """The transport of a World's RPC groups: calls to members by name, with timeouts, and shutdown.
+    """What a World's RPC groups call through (its RPC agent): calls to members by name, and shutdown.
 
     ``fn`` is called on member ``to`` as ``fn(*args, **kwargs)``; ``kwargs`` None means none. See the module
     docstring for the errors.

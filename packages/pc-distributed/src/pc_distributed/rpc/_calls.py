@@ -1,6 +1,6 @@
-"""How an RPC group's call reaches its target: the send with mapped transport errors, and a service call.
+"""How an RPC group's call reaches its target: the send with torch's failures mapped, and a service call.
 
-A call is sent through the World's RPC backend (:mod:`~._backend`), never to a transport directly.
+A call is sent through the World's RPC backend (:mod:`~._backend`), never to a backend's internals.
 
 A :class:`ServiceCall` is one call of a registered service. Without a given owner it asks the cached owner
 first; if that answers "missing" (a stale cache entry) it looks the owner up again and tries once more. With a
@@ -18,14 +18,15 @@ into it.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
 
 import pc_pickle
+from pc_distributed._errors import with_cause
 from pc_distributed._host import GroupHost
-from pc_distributed._transport import transport_error, with_cause
+from pc_distributed._torch_errors import peer_error
 from pc_distributed.rpc._backend import RpcBackend
 from pc_distributed.rpc._directory import Directory
 from pc_distributed.rpc._remote import (
@@ -40,7 +41,7 @@ from pc_distributed.rpc._remote import (
 )
 from pc_distributed.rpc.remote_ref import RemoteRef
 
-__all__ = ["Send", "ServiceCall", "invoke", "pickling_error"]
+__all__ = ["Send", "ServiceCall", "chain_future", "invoke", "pickling_error"]
 
 # How a call is sent: the names are those of torch's functions, which errors have always named.
 Send = Literal["rpc_sync", "rpc_async", "remote"]
@@ -78,14 +79,14 @@ def invoke(
         TimeoutError: If the backend reports a timeout.
         ConnectionError: If the backend reports a lost or refused connection.
     """
-    backend: RpcBackend | None = host.rpc_transport if host.init_rpc else None
+    backend: RpcBackend | None = host.rpc_agent if host.init_rpc else None
     if backend is None:
         raise RuntimeError("RPC calls need a World created with init_rpc=True")
     method = {"rpc_sync": backend.call_sync, "rpc_async": backend.call, "remote": backend.remote}[send]
     try:
         return method(to, func, args, None, timeout)
     except (RuntimeError, OSError) as exc:
-        raise transport_error(exc, to, send) from exc
+        raise peer_error(exc, to, send) from exc
     except (AttributeError, TypeError, pickle.PicklingError) as exc:  # plain pickle refused the payload
         refused = exc
     try:
@@ -95,7 +96,7 @@ def invoke(
     try:
         return method(to, call_by_value, (blob,), None, timeout)
     except (RuntimeError, OSError) as exc:
-        raise transport_error(exc, to, send) from exc
+        raise peer_error(exc, to, send) from exc
 
 
 def pickling_error(
@@ -252,7 +253,7 @@ class ServiceCall:
                 try:
                     envelope = fut.wait()
                 except (RuntimeError, OSError) as exc:
-                    out.set_exception(with_cause(transport_error(exc, owner, "rpc"), exc))
+                    out.set_exception(with_cause(peer_error(exc, owner, "rpc"), exc))
                     return
                 try:
                     out.set_result(unwrap(envelope, f"process {owner!r}"))
@@ -282,3 +283,24 @@ class ServiceCall:
         if owner is None:
             raise self.not_found()
         return RemoteRef(self._send("remote", owner), owner, self.not_found)
+
+
+def chain_future(
+    raw: torch.futures.Future[Any], target: str, finish: Callable[[Any], Any]
+) -> torch.futures.Future[Any]:
+    """A future completed with ``finish(envelope)``, or its exception, torch's failures mapped."""
+    out: torch.futures.Future[Any] = torch.futures.Future()
+
+    def done(fut: torch.futures.Future[Any]) -> None:
+        try:
+            envelope = fut.wait()
+        except (RuntimeError, OSError) as exc:
+            out.set_exception(with_cause(peer_error(exc, target, "rpc_async"), exc))
+            return
+        try:
+            out.set_result(finish(envelope))
+        except Exception as exc:
+            out.set_exception(exc)
+
+    raw.add_done_callback(done)
+    return out

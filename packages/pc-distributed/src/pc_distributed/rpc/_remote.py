@@ -151,7 +151,7 @@ def _ok(value: Any) -> Envelope:
     back as the call's error.
     """
     world = current_world()
-    backend = None if world is None else world.rpc_transport
+    backend = None if world is None else world.rpc_agent
     if backend is None or backend.plain_pickles(value):
         return (OK, value)
     try:

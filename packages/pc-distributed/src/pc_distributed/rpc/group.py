@@ -11,7 +11,7 @@ The World creates its groups here (``create_rpc_group``) and holds their tables 
 ``_remote``).
 
 Keys may be any value whose ``repr`` is the same in every process (strings, ints, tuples of those).
-Timeouts follow the package's convention (``_transport``): ``None`` (or ``-1``) is the World's
+Timeouts follow the package's convention (``_checks``): ``None`` (or ``-1``) is the World's
 ``rpc_timeout``.
 """
 
@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from pc_distributed._checks import check_call_args, resolve_timeout
 from pc_distributed._host import GroupHost, current_world
 from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._store import StoreBarrier
-from pc_distributed._transport import chain_future, check_call_args, resolve_timeout
-from pc_distributed.rpc._calls import Send, ServiceCall, invoke
+from pc_distributed.rpc._calls import Send, ServiceCall, chain_future, invoke
 from pc_distributed.rpc._directory import Directory
 from pc_distributed.rpc._join import check_group_args, join_group
 from pc_distributed.rpc._remote import (

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pc_distributed._checks import optional_timeout
-from pc_distributed._transport import transport_error
+from pc_distributed._torch_errors import peer_error
 from pc_distributed.rpc._remote import MissingOnOwner, unwrap
 
 __all__ = ["RemoteRef"]
@@ -50,7 +50,7 @@ class RemoteRef:
         try:
             envelope = self.rref.to_here() if seconds is None else self.rref.to_here(seconds)
         except (RuntimeError, OSError) as exc:
-            raise transport_error(exc, self._owner_name, "to_here") from exc
+            raise peer_error(exc, self._owner_name, "to_here") from exc
         try:
             return unwrap(envelope, f"process {self._owner_name!r}", copy_value=self.rref.is_owner())
         except MissingOnOwner:

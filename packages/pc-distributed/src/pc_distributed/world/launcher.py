@@ -139,7 +139,7 @@ def run_world(
     *,
     args: Sequence[Any] = (),
     timeout: float = 300.0,
-    backend: str = "gloo",
+    backend: str | None = None,
     init_dist: bool = True,
     init_rpc: bool = True,
     start_method: str = "spawn",
@@ -147,6 +147,7 @@ def run_world(
     rpc_timeout: float = 60.0,
     grace_period: float = _GRACE_S,
     rpc_backend: str = "auto",
+    dist_backend: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` in a fresh local world of ``world_size`` processes; return the results by rank.
 
@@ -160,7 +161,7 @@ def run_world(
         world_size: Number of processes (>= 1).
         args: Extra positional arguments for ``fn``.
         timeout: Seconds for the whole run; then every process is killed.
-        backend: Process-group backend (``"gloo"``, ``"nccl"``).
+        backend: The older name of ``dist_backend`` (give one of the two).
         init_dist: Create the default process group in each World.
         init_rpc: Initialise RPC in each World.
         start_method: ``"spawn"`` (default), ``"forkserver"`` or ``"fork"``.
@@ -169,12 +170,15 @@ def run_world(
         grace_period: Seconds the other ranks get to finish after a rank failed, before they are killed.
         rpc_backend: Each World's ``rpc_backend`` (``"tensorpipe"``, ``"c10d"``, ``"auto"``), resolved here
             once so that every rank uses the same.
+        dist_backend: Each World's ``dist_backend``: the process-group backend (``"gloo"``, the default, or
+            ``"nccl"``), named as ``World`` names it.
 
     Returns:
         ``[fn(0, *args), fn(1, *args), ...]``.
 
     Raises:
-        TypeError: If ``fn`` is not picklable by reference or an argument has the wrong type.
+        TypeError: If ``fn`` is not picklable by reference, an argument has the wrong type, or both
+            ``backend`` and ``dist_backend`` are given.
         ValueError: If an argument is out of range, ``rpc_backend`` names no backend, or
             ``start_method="fork"`` with TensorPipe's RPC where CUDA is available (forked ranks cannot start
             it).
@@ -217,8 +221,13 @@ def run_world(
             "TensorPipe's RPC there. Use start_method='spawn' (the default) or 'forkserver', or "
             "rpc_backend='c10d'"
         )
+    if backend is not None and dist_backend is not None:
+        raise TypeError(
+            f"give dist_backend or backend (its older name), not both: got dist_backend={dist_backend!r} "
+            f"and backend={backend!r}"
+        )
     world_kwargs = {
-        "dist_backend": backend,
+        "dist_backend": next((b for b in (dist_backend, backend) if b is not None), "gloo"),
         "init_dist": bool(init_dist),
         "init_rpc": bool(init_rpc),
         "dist_timeout": positive_seconds("dist_timeout", dist_timeout),

@@ -10,12 +10,12 @@ so the World keeps three kinds of connection to it: ``store`` for short requests
 arrivals), ``waits`` (one connection per blocking wait, see ``_store``) and one of the process group's
 own; no thread's wait ever stalls another thread's request.
 
-The World owns what lives as long as it does: its RPC backend (``rpc_transport``, the transport its RPC
-groups' calls travel on, chosen and started through ``rpc._backends`` as ``rpc_backend`` says), its RPC
+The World owns what lives as long as it does: its RPC agent (``rpc_agent``, the started backend its
+RPC groups' calls travel on, chosen and started through ``rpc._backends`` as ``rpc_backend`` says), its RPC
 groups, their tables of paired values and services (:attr:`World.rpc_tables`, what incoming calls run on)
 and its collective groups. It hands itself to the groups at creation (they see it through the
 ``GroupHost`` protocol of ``_host`` and never import this module). Timeouts follow the package's convention
-(``_transport``): ``None`` is the World's default, ``-1`` another name for it.
+(``_checks``): ``None`` is the World's default, ``-1`` another name for it.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ from typing import Any, NoReturn
 
 from pc_distributed import _torch_dist
 from pc_distributed._bounded import call_bounded
-from pc_distributed._checks import int_in_range, positive_seconds
+from pc_distributed._checks import int_in_range, positive_seconds, resolve_timeout
 from pc_distributed._host import clear_world, current_world, install_world
 from pc_distributed._one_thread import OneThreadAtATime
 from pc_distributed._store import BoundedStore, StoreBarrier, WaitStores
-from pc_distributed._transport import resolve_timeout
 from pc_distributed.collective.group import CollectiveGroup, create_collective_group
 from pc_distributed.rpc._backends import BackendSetup, RpcBackend, choose_backend, start_backend
 from pc_distributed.rpc.group import ProcessTables, RpcGroup, create_rpc_group
@@ -141,8 +140,8 @@ class World:
         self.init_rpc = bool(init_rpc)
         self.rpc_busy_poll = bool(rpc_busy_poll)
         self.rpc_backend = choose_backend(rpc_backend)
-        # The transport of the RPC groups' calls (GroupHost.rpc_transport); set by _start when init_rpc.
-        self.rpc_transport: RpcBackend | None = None
+        # What the RPC groups' calls travel on (GroupHost.rpc_agent); set by _start when init_rpc.
+        self.rpc_agent: RpcBackend | None = None
         self._rpc_groups: dict[str, RpcGroup] = {}
         self._rpc_tables = ProcessTables()
         self._rpc_instances: dict[str, int] = {}
@@ -175,7 +174,7 @@ class World:
                 )
                 undo.append(_torch_dist.destroy_pg)
             if self.init_rpc:
-                self.rpc_transport = start_backend(self.rpc_backend, self._backend_setup(self._conn))
+                self.rpc_agent = start_backend(self.rpc_backend, self._backend_setup(self._conn))
         except BaseException:
             for step in reversed(undo):
                 try:
@@ -404,8 +403,8 @@ class World:
             groups = list(self._rpc_groups.values())
         try:
             graceful = self._leave_store(groups, timeout, graceful)
-            if self.rpc_transport is not None:
-                self.rpc_transport.shutdown(graceful, timeout)
+            if self.rpc_agent is not None:
+                self.rpc_agent.shutdown(graceful, timeout)
             if self.init_dist:
                 for cg in self._collective_groups:
                     cg._forget()

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pc_distributed._store import BoundedStore
-from pc_distributed._transport import is_connection_loss
+from pc_distributed._torch_errors import is_connection_loss
 from pc_distributed.parallel.elastic._connect import ElasticStores
 from pc_distributed.parallel.elastic._membership import Membership
 

@@ -26,8 +26,15 @@ Modules: ``transport`` (the protocol: sends, the turn-taking receivers, serving 
 keep-alives and deadlines, the goodbye), ``calls`` (the calls in flight), ``peer`` (what it knows of each
 other member), ``workers`` (its thread pool), ``kept`` (the values it keeps for others' remote references),
 ``ref`` (a reference to a remote value, and :class:`~.ref.RemoteValues`, what it needs of its creator's
-transport), ``frames`` (the frames on a link), ``memory`` (the memory frames are received into, and views of
-tensor memory), ``codec`` (how it pickles), ``backend`` (:class:`C10dBackend`).
+transport), ``lane`` (the thread that sends to one peer), ``frames`` (the frames on a link), ``memory`` (the
+memory frames are received into, and views of tensor memory), ``codec`` (how it pickles), ``backend``
+(:class:`C10dBackend`).
+
+Why ``transport`` stays one module: the protocol's state (the calls in flight, each peer's goodbye and loss,
+the handlers running, the shutdown state) is guarded by one lock because every transition reads and changes
+more than one part of it at once: a loss fails that peer's calls, a goodbye is ordered against the requests
+already accepted from it, shutdown waits until calls and handlers are done. Each piece that owns its state
+apart is a module of its own and takes no part in that lock; what is left is the one invariant, in one place.
 """
 
 from pc_distributed.rpc._c10d.backend import C10dBackend
