@@ -28,8 +28,14 @@ Y = torch.randn(N_SAMPLES, 2, dtype=torch.float64, generator=_GEN)
 
 
 def make_model(name: str) -> torch.nn.Module:
-    """A small float64 MLP whose start depends on ``name`` only (not on the process's global RNG)."""
-    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    """A small float64 MLP with batch norm whose start depends on ``name`` only (not on the global RNG).
+
+    The batch norm's running statistics are buffers the members must keep equal (averaged at each commit,
+    restored at each abort): the replay checks them.
+    """
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Tanh(), torch.nn.Linear(4, 2)
+    ).double()
     gen = torch.Generator().manual_seed(sum(ord(c) * 31**i for i, c in enumerate(name)) % (2**31))
     with torch.no_grad():
         for p in model.parameters():
@@ -53,6 +59,8 @@ def replay(log: Sequence[tuple[int, Sequence[str]]]) -> list[torch.Tensor]:
     """Replay a complete quorum log (steps 0, 1, ...) in one process; return the final parameters.
 
     Each step: every member's gradient on its share, weighted by its share's size, averaged; one SGD step.
+    Each member's forward starts from the step's buffers; the floating buffers after the step are the
+    members' weighted average, the others (the batch count) what every member has.
     """
     steps = [step for step, _ in log]
     if steps != list(range(len(steps))):
@@ -61,21 +69,32 @@ def replay(log: Sequence[tuple[int, Sequence[str]]]) -> list[torch.Tensor]:
     opt = make_optimizer(model)
     for step, members in log:
         total = [torch.zeros_like(p) for p in model.parameters()]
+        start = [b.clone() for b in model.buffers()]
+        buffers = [torch.zeros_like(b) for b in model.buffers()]
         weight = 0
         for member in sorted(members):
             model.zero_grad()
+            with torch.no_grad():
+                for b, b0 in zip(model.buffers(), start, strict=True):
+                    b.copy_(b0)
             n = shard_loss(model, StepContext(step, tuple(sorted(members)), member, 0))
             for acc, p in zip(total, model.parameters(), strict=True):
                 acc += p.grad * n
+            for i, b in enumerate(model.buffers()):
+                buffers[i] = buffers[i] + b * n if b.is_floating_point() else b.clone()
             weight += n
         for acc, p in zip(total, model.parameters(), strict=True):
             p.grad = acc / weight
+        with torch.no_grad():
+            for acc, b in zip(buffers, model.buffers(), strict=True):
+                b.copy_(acc / weight if b.is_floating_point() else acc)
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return params(model)
 
 
 def params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
+    """The model's parameters, then its buffers (copies): what must equal the replay's."""
+    return [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
 
 
 # -- multi-process workers (run_world) ---

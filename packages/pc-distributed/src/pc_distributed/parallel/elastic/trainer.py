@@ -10,9 +10,9 @@
          wait for every live member, read q/<a>   <-----
       2. group for q/<a> (gloo, store prefix pg/<group>); the lowest up-to-date member's state -> q.sync
       3. compute(ctx): forward/backward on this member's share of the step's batch
-      4. all-reduce [w * grads, w] over the group;  done/<a>/<me>   ----->  decide/<a> = commit | abort
-      5. commit: grads = sum(w * grads) / sum(w), optimizer.step(), step += 1
-         abort:  nothing applied; the same step is re-run as attempt a + 1 with the next quorum
+      4. all-reduce [w * grads, w * buffers, w];  done/<a>/<me>  ----->  decide/<a> = commit | abort
+      5. commit: grads = sum(w * grads) / sum(w), optimizer.step(), buffers = their average, step += 1
+         abort:  nothing applied, buffers restored; the same step is re-run as attempt a + 1
 
 Everything the members must agree on (who is in a step, whether the step counts) is decided once in the store
 by ``compare_set`` and read by all, so they cannot disagree; a member that cannot reach the store raises
@@ -89,8 +89,15 @@ class ElasticDataParallel:
     with the next quorum, on the same data. A new member (same script, new name) enters at a step boundary
     and receives the model, the optimizer state and the step count from a live member.
 
+    The module's buffers stay equal on every member: floating buffers (BatchNorm's running statistics) are
+    averaged over the step's members in the same reduction as the gradients, with the same weights, when
+    the step commits; every buffer is restored to its value before the step when it aborts, so that a
+    re-run does not count the aborted forward twice. For BatchNorm's running mean the average is the
+    running mean of the step's whole batch; its running variance is the weighted mean of the members'
+    (without the spread between the members' means), as each member's batch statistics are its own.
+
     Args:
-        module: This member's replica (floating-point parameters of one dtype and device).
+        module: This member's replica (floating-point parameters of one dtype and device, buffers on it too).
         optimizer: The optimizer over ``module``'s parameters.
         name: This member's name, unique in the job for the life of the job (a restarted process needs a
             new one, e.g. with ``TORCHELASTIC_RESTART_COUNT`` in it).
@@ -183,6 +190,10 @@ class ElasticDataParallel:
             )
         if not _torch_dist.elastic_groups_available():
             raise RuntimeError("this torch build has no gloo, which ElasticDataParallel's groups need")
+        self._buffers = list(module.buffers())
+        self._float_buffers = [b for b in self._buffers if b.is_floating_point()]
+        if any(b.device != self._params[0].device for b in self._buffers):
+            raise ValueError("module's buffers must be on its parameters' device")
         owned = {id(p) for p in module.parameters()}
         if any(id(p) not in owned for g in optimizer.param_groups for p in g["params"]):
             raise ValueError("optimizer holds parameters that are not module's")
@@ -270,12 +281,21 @@ class ElasticDataParallel:
             self._drop_group()
             return None
         self._attempt = a + 1
-        ok = self._reduce(quorum, compute)
+        saved = [b.detach().clone() for b in self._buffers]  # what an abort restores
+        averaged = self._reduce(quorum, compute)
         committed = decide(
-            self._stores, self._membership, quorum, ok, self.collective_timeout, self.member_timeout
+            self._stores,
+            self._membership,
+            quorum,
+            averaged is not None,
+            self.collective_timeout,
+            self.member_timeout,
         )
         self._last = (quorum, committed)
-        if not committed:
+        if not committed or averaged is None:
+            with torch.no_grad():
+                for b, old in zip(self._buffers, saved, strict=True):
+                    b.copy_(old)
             self.aborted_attempts += 1
             self._drop_group()
             self._clear_grads()
@@ -283,6 +303,9 @@ class ElasticDataParallel:
             return None
         self.optimizer.step()  # _reduce set every parameter's .grad to the quorum's average
         self._clear_grads()
+        with torch.no_grad():
+            for b, mean in zip(self._float_buffers, averaged, strict=True):
+                b.copy_(mean)
         self._version = quorum.step + 1
         if self.name == quorum.source:
             self._stores.store.set("committed", str(self._version))
@@ -304,8 +327,14 @@ class ElasticDataParallel:
             _quorum.forget(self._stores, old, names)
         self._forgotten = attempt
 
-    def _reduce(self, quorum: Quorum, compute: Callable[[StepContext], float | int | None]) -> bool:
-        """Sync the state if needed, run ``compute``, average the gradients; False if a collective failed."""
+    def _reduce(
+        self, quorum: Quorum, compute: Callable[[StepContext], float | int | None]
+    ) -> list[torch.Tensor] | None:
+        """Sync the state if needed, run ``compute``, average the gradients and the floating buffers.
+
+        Sets every parameter's ``.grad`` to the average and returns the buffers' averages (applied only if
+        the step commits); None if a collective failed.
+        """
         rank = quorum.members.index(self.name)
         try:
             group = self._group_for(quorum, rank)
@@ -314,7 +343,7 @@ class ElasticDataParallel:
         except RuntimeError as exc:  # a member did not arrive or died in the transfer
             logger.info("elastic member %r: quorum %d's group failed: %r", self.name, quorum.attempt, exc)
             self._drop_group()
-            return False
+            return None
         self._clear_grads()
         try:
             weight = compute(StepContext(quorum.step, quorum.members, self.name, rank))
@@ -333,6 +362,7 @@ class ElasticDataParallel:
         parts = [
             torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1) for p in self._params
         ]
+        parts.extend(b.detach().reshape(-1).to(p0.dtype) for b in self._float_buffers)
         parts.append(torch.ones(1, dtype=p0.dtype, device=p0.device))
         flat = torch.cat(parts)
         if w != 1.0:
@@ -344,14 +374,19 @@ class ElasticDataParallel:
                 "elastic member %r: reduction of attempt %d failed: %r", self.name, quorum.attempt, exc
             )
             self._drop_group()
-            return False
+            return None
         mean = flat[:-1].div_(flat[-1])
         offset = 0
         for p in self._params:  # views of this step's own buffer: no copy
             n = p.numel()
             p.grad = mean[offset : offset + n].view_as(p)
             offset += n
-        return True
+        averaged = []
+        for b in self._float_buffers:
+            n = b.numel()
+            averaged.append(mean[offset : offset + n].view_as(b))
+            offset += n
+        return averaged
 
     def _share(self, group: Any, quorum: Quorum, rank: int) -> None:
         root = quorum.members.index(quorum.source)
