@@ -1,8 +1,9 @@
 """Handing a live member's training state to the members that are behind, over the quorum's group.
 
 The state (the module's and the optimizer's ``state_dict`` and the committed step count) is serialised with
-``torch.save`` into a uint8 tensor; the source broadcasts its size, then the bytes. Every member of the
-quorum takes part (a broadcast is a collective); only the members named in ``sync`` load what they receive.
+``torch.save`` into a uint8 host tensor (the groups are gloo's); the source broadcasts its size, then the
+bytes, and each receiver loads it onto its own device. Every member of the quorum takes part (a broadcast is
+a collective); only the members named in ``sync`` load what they receive.
 No checkpoint file is written.
 """
 
@@ -27,21 +28,23 @@ def share_state(
         group: The quorum's process group.
         root: The source's group rank.
         state: The state on the source, None elsewhere.
-        device: Where the group's tensors live (CPU for gloo).
+        device: Where this member's module lives: what the received state is loaded onto.
         timeout: Seconds of each of the two broadcasts.
     """
     if state is not None:
         buf = io.BytesIO()
         torch.save(state, buf)
-        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
+        size = torch.zeros(1, dtype=torch.int64)
     _torch_dist.group_broadcast(group, size, root, timeout)
     if state is None:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
     _torch_dist.group_broadcast(group, payload, root, timeout)
     if state is not None:
         return state
-    loaded: dict[str, Any] = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False)
+    loaded: dict[str, Any] = torch.load(
+        io.BytesIO(payload.numpy().tobytes()), map_location=device, weights_only=False
+    )
     return loaded

@@ -97,7 +97,9 @@ class ElasticDataParallel:
     (without the spread between the members' means), as each member's batch statistics are its own.
 
     Args:
-        module: This member's replica (floating-point parameters of one dtype and device, buffers on it too).
+        module: This member's replica (floating-point parameters of one dtype and device, buffers on it too;
+            CPU or CUDA: the groups are gloo's, so a CUDA module's sums and state travel through host
+            memory).
         optimizer: The optimizer over ``module``'s parameters.
         name: This member's name, unique in the job for the life of the job (a restarted process needs a
             new one, e.g. with ``TORCHELASTIC_RESTART_COUNT`` in it).
@@ -183,10 +185,6 @@ class ElasticDataParallel:
         if len(kinds) != 1 or not self._params[0].is_floating_point():
             raise ValueError(
                 f"module's parameters must share one floating dtype and device, got {sorted(map(str, kinds))}"
-            )
-        if self._params[0].device.type != "cpu":
-            raise ValueError(
-                "ElasticDataParallel runs on gloo groups over CPU tensors; move the module to the CPU"
             )
         if not _torch_dist.elastic_groups_available():
             raise RuntimeError("this torch build has no gloo, which ElasticDataParallel's groups need")
@@ -367,14 +365,18 @@ class ElasticDataParallel:
         flat = torch.cat(parts)
         if w != 1.0:
             flat.mul_(w)  # the gradients and the weight itself: [w * g, w]
+        # The groups are gloo's: a CUDA module's sums travel through host memory (one copy each way).
+        on_host = flat if flat.device.type == "cpu" else flat.cpu()
         try:
-            _torch_dist.group_all_reduce_sum(group, flat, self.collective_timeout)
+            _torch_dist.group_all_reduce_sum(group, on_host, self.collective_timeout)
         except RuntimeError as exc:
             logger.info(
                 "elastic member %r: reduction of attempt %d failed: %r", self.name, quorum.attempt, exc
             )
             self._drop_group()
             return None
+        if on_host is not flat:
+            flat.copy_(on_host)
         mean = flat[:-1].div_(flat[-1])
         offset = 0
         for p in self._params:  # views of this step's own buffer: no copy
