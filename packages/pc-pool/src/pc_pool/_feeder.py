@@ -12,14 +12,14 @@ retiring worker, or to every worker once a closed pool has drained.
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import functools
 import threading
-import types
 from collections.abc import Callable
 from typing import Any
 
 from pc_pool import _serial
+from pc_pool._func_payloads import FunctionPayloads
 from pc_pool._protocol import EXIT
 from pc_pool._records import Chunk, Job, WorkerHandle
 from pc_pool._settings import TICK, PoolStates, now
@@ -27,8 +27,6 @@ from pc_pool._signals import start_with_sigint_blocked
 from pc_pool._state import EngineState
 
 __all__ = ["Feeder"]
-
-_FUNC_CACHE_SIZE = 64
 
 
 class Feeder:
@@ -58,8 +56,12 @@ class Feeder:
         self._send_batch = send_batch
         self._copy_tensor = copy_tensor
         self._recurse = recurse
-        self._func_cache: collections.OrderedDict[int, tuple[object, bytes]] = collections.OrderedDict()
-        self._func_cache_lock = threading.Lock()
+        # The payloads of functions that nothing mutable travels with, reused while nothing in them changed.
+        # They hold no tensor, so copy mode changes nothing in them and makes them valid for any worker. (A
+        # partial, not a bound method: no cycle through self keeps a finished pool's functions alive.)
+        self._payloads = FunctionPayloads(
+            functools.partial(_serial.dumps, recurse=recurse, copy_tensor=True), recurse
+        )
         self._threads = [
             # send (bound to the pool) rides in the thread's arguments, dropped when the thread ends: no
             # reference cycle keeps a finished pool alive.
@@ -134,41 +136,25 @@ class Feeder:
     def _dump_func(self, w: WorkerHandle, job: Job) -> bytes | None:
         if job.id in w.sent_jobs:
             return None
-        if not self._copy_tensor:  # share handles are one-shot: one dump per worker and job
+        if not self._copy_tensor:
+            # A payload the cache can hold carries no tensor (see _func_payloads), so one dump serves every
+            # worker and job; any other carries one-shot share handles: one dump per worker and job.
+            blob = self._payloads.payload(job.func)
+            if blob is not None:
+                return blob
             return _serial.dumps(job.func, recurse=self._recurse, copy_tensor=False)
-        cached = self._cached_func_blob(job.func)
-        if cached is not None:
-            return cached
         with job.lock:
             if job.func_error is not None:
                 raise job.func_error
             if job.func_blob is None:
                 try:
-                    job.func_blob = _serial.dumps(job.func, recurse=self._recurse, copy_tensor=True)
+                    job.func_blob = self._payloads.payload(job.func) or _serial.dumps(
+                        job.func, recurse=self._recurse, copy_tensor=True
+                    )
                 except Exception as exc:
                     job.func_error = exc
                     raise
-                self._remember_func_blob(job.func, job.func_blob)
             return job.func_blob
-
-    # A plain function without a closure pickles to the same bytes every time (with recurse=False its globals
-    # are looked up in the worker), so repeated applies of one function reuse its payload instead of paying
-    # the dill path per job. Closures, callables with state and is_recursive pools are dumped per job.
-    def _cached_func_blob(self, func: object) -> bytes | None:
-        with self._func_cache_lock:
-            entry = self._func_cache.get(id(func))
-            if entry is not None and entry[0] is func:
-                self._func_cache.move_to_end(id(func))
-                return entry[1]
-        return None
-
-    def _remember_func_blob(self, func: object, blob: bytes) -> None:
-        if self._recurse or not isinstance(func, types.FunctionType) or func.__closure__ is not None:
-            return
-        with self._func_cache_lock:
-            self._func_cache[id(func)] = (func, blob)  # holding func keeps its id from being reused
-            while len(self._func_cache) > _FUNC_CACHE_SIZE:
-                self._func_cache.popitem(last=False)
 
     def send_chunks(
         self,
