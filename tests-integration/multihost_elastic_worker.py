@@ -46,8 +46,8 @@ def replay(log: Sequence[tuple[int, Sequence[str]]]) -> list[list[float]]:
 
 
 def flat_params(model: torch.nn.Module) -> list[list[float]]:
-    """The parameters as lists of floats (JSON)."""
-    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    """The parameters and buffers, as the package tests' replay gives them, as lists of numbers (JSON)."""
+    return [t.reshape(-1).tolist() for t in elastic.params(model)]
 
 
 def _write(out: Path, host: int, obs: dict[str, Any]) -> None:

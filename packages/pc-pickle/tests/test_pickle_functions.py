@@ -312,3 +312,24 @@ def test_functions_in_containers_share_one_dill_payload() -> None:
     assert len(data) < 2 * len(pc_pickle.dumps([fn]))
     out = pc_pickle.loads(data)
     assert all(f is out[0] for f in out)
+
+
+def _top_level_add(x: int) -> int:
+    return x + 1
+
+
+def test_the_by_value_rules_are_what_dumps_follows() -> None:
+    """``needs_by_value``/``imported_by_name`` say what a payload depends on: by name, or its value."""
+
+    def local(x: int) -> int:
+        return x
+
+    for fn, by_value in ((_top_level_add, False), (os.path.join, False), (local, True), (lambda: 0, True)):
+        assert pc_pickle.needs_by_value(fn) is by_value, fn
+        # by name the round trip gives the object itself; by value a copy of it
+        assert (_round_trip(fn) is fn) is not by_value, fn
+    assert pc_pickle.needs_by_value(type("Made", (), {}))  # not found under its own name
+    assert pc_pickle.imported_by_name(os)
+    made = types.ModuleType("made_at_run_time")
+    assert not pc_pickle.imported_by_name(made)
+    assert pickle.loads(pc_pickle.dumps(os)) is os

@@ -9,6 +9,9 @@ Cases (2 workers each):
 * A tensor (100 MB; 10 MB with --quick) to a worker and back: pc_pool copy, pc_pool share (freshly shared and
   pre-shared) against a stdlib pickle copy through multiprocessing.Pool.
 * Fault latency: a SIGKILLed worker reported, and ``terminate()`` with 20 sleeping tasks.
+* A task function pickled by value (defined in ``__main__``, as this script's are) against its twin pickled by
+  name (``pool_bench_tasks``), 100 sequential ``apply`` calls each: an in-place add on a shared 4 MB tensor
+  (share mode) and a closure (copy mode). The pool reuses the by-value payload while nothing in it changed.
 
 Run: ``python packages/pc-pool/benchmarks/run.py [--quick] [--out results.json]``.
 """
@@ -27,8 +30,10 @@ import statistics
 import sys
 import time
 import warnings
+from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benchmarks"))
+import pool_bench_tasks
 import torch
 from benchlib import Report, bench_args, median_time
 
@@ -49,6 +54,17 @@ def touch(t: torch.Tensor) -> torch.Tensor:
 
 def pickle_roundtrip(blob: bytes) -> bytes:
     return pickle.dumps(pickle.loads(blob), protocol=5)
+
+
+def add_one(t: torch.Tensor) -> None:
+    t.add_(1)
+
+
+def make_scaler(k: int) -> Any:
+    def scale(x: int) -> int:
+        return k * x
+
+    return scale
 
 
 def die() -> None:
@@ -239,6 +255,42 @@ def fault_latency(report: Report) -> None:
     report.target("terminate() (s)", terminated, "<=", 2.0, unit="s")
 
 
+def function_payloads(report: Report, repeat: int) -> None:
+    """By-value task functions (``__main__``, closures) against by-name twins: 100 sequential applies each."""
+    rounds = max(11, 10 * repeat + 1)
+    t = torch.zeros(1 << 20).share_memory_()  # 4 MB
+    with pc_pool.Pool(1, is_copy_tensor=False, share_method="cpu") as pool:
+        shared = _interleaved(
+            {
+                "by value (__main__)": lambda: [pool.apply(add_one, (t,)) for _ in range(100)],
+                "by name": lambda: [pool.apply(pool_bench_tasks.add_one, (t,)) for _ in range(100)],
+            },
+            rounds,
+        )
+    scale = make_scaler(3)
+    with pc_pool.Pool(1, share_method="cpu") as pool:
+        copied = _interleaved(
+            {
+                "by value (closure)": lambda: [pool.apply(scale, (i,)) for i in range(100)],
+                "by name": lambda: [pool.apply(pool_bench_tasks.triple, (i,)) for i in range(100)],
+            },
+            rounds,
+        )
+    for case, times, by_value in (
+        ("100 applies, share, in-place add on 4 MB", shared, "by value (__main__)"),
+        ("100 applies, copy, closure", copied, "by value (closure)"),
+    ):
+        report.row(case, f"pc_pool task {by_value}", statistics.median(times[by_value]))
+        report.row(case, "pc_pool task by name", statistics.median(times["by name"]), baseline=True)
+        report.target(
+            f"{case}: task function by value vs by name",
+            _paired_ratio(times[by_value], times["by name"]),
+            "<=",
+            1.15,
+            note="by-value time / by-name time, median of interleaved paired rounds",
+        )
+
+
 def main() -> None:
     args = bench_args("pc-pool")
     report = Report("pc-pool")
@@ -251,6 +303,7 @@ def main() -> None:
     startup(report, full)
     tensor_roundtrip(report, 100 if full else 10, repeat)
     fault_latency(report)
+    function_payloads(report, repeat)
     load = os.getloadavg()
     report.note(
         f"load average during the run: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} CPUs"

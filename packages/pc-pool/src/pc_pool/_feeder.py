@@ -148,9 +148,10 @@ class Feeder:
                 raise job.func_error
             if job.func_blob is None:
                 try:
-                    job.func_blob = self._payloads.payload(job.func) or _serial.dumps(
-                        job.func, recurse=self._recurse, copy_tensor=True
-                    )
+                    blob = self._payloads.payload(job.func)
+                    if blob is None:  # not cached: once per job, for every worker
+                        blob = _serial.dumps(job.func, recurse=self._recurse, copy_tensor=True)
+                    job.func_blob = blob
                 except Exception as exc:
                     job.func_error = exc
                     raise
