@@ -8,6 +8,7 @@ hanging processes is in ``test_distributed_elastic_world.py``.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -133,6 +134,53 @@ def test_a_member_joining_later_receives_the_state_and_ends_equal() -> None:
     assert late, out
     assert late[0][0] >= 2  # it entered mid-training
     assert all("late" in m for _, m in out["a"]["log"][late[0][0] :])
+    _assert_replay(out, out["a"]["log"])
+
+
+def test_an_aborted_step_restores_the_buffers_a_joiner_received_not_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first step with a joiner receives the state, then aborts: every member re-runs it from the buffers
+    the state transfer left (the joiner's own, from before the transfer, would be stale)."""
+    store = dist.HashStore()
+    job_keys = _store.prefix_store("pc_elastic/default", store)
+    real = _torch_dist.group_all_reduce_sum
+    failed: list[str] = []
+
+    def fail_once_in_the_first_step_of_three(group: Any, tensor: torch.Tensor, timeout: float) -> None:
+        real(group, tensor, timeout)  # every member completes the collective, so nobody waits for a
+        if group.size() == 3 and threading.current_thread().name == "member-a" and not failed:
+            failed.append("a")
+            raise RuntimeError("injected: a's reduction failed after it completed")
+
+    monkeypatch.setattr(_torch_dist, "group_all_reduce_sum", fail_once_in_the_first_step_of_three)
+
+    def body(name: str) -> dict[str, Any]:
+        threading.current_thread().name = f"member-{name}"
+        if name == "late":
+            job_keys.wait(["committed"], timedelta(seconds=60))
+            out = _member(store, name, 5)
+            return out
+        model = make_model(name)
+        kwargs = {**FAST, "initial_members": 2}
+        with pd.ElasticDataParallel(model, make_optimizer(model), name=name, store=store, **kwargs) as edp:
+
+            def compute(ctx: pd.StepContext) -> int:
+                if ctx.step == 2:  # hold step 2 until the late member is at a boundary (enlisted)
+                    job_keys.wait(["reg/2"], timedelta(seconds=60))
+                return shard_loss(model, ctx)
+
+            while edp.step < 5:
+                edp.train_step(compute)
+            return {"params": params(model), "log": list(edp.quorum_log), "aborted": edp.aborted_attempts}
+
+    out = run_threads(body, ["a", "b", "late"])
+    for r in out.values():
+        assert not isinstance(r, BaseException), r
+    assert failed == ["a"]
+    assert all(out[n]["aborted"] >= 1 for n in ("a", "b", "late")), out  # the joiner's first step
+    joined = out["late"]["log"][0][0]
+    assert joined >= 1  # it entered after the running statistics had moved from their initial values
     _assert_replay(out, out["a"]["log"])
 
 

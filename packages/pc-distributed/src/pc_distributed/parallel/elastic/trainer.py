@@ -91,10 +91,11 @@ class ElasticDataParallel:
 
     The module's buffers stay equal on every member: floating buffers (BatchNorm's running statistics) are
     averaged over the step's members in the same reduction as the gradients, with the same weights, when
-    the step commits; every buffer is restored to its value before the step when it aborts, so that a
-    re-run does not count the aborted forward twice. For BatchNorm's running mean the average is the
-    running mean of the step's whole batch; its running variance is the weighted mean of the members'
-    (without the spread between the members' means), as each member's batch statistics are its own.
+    the step commits; every buffer is restored to its value before ``compute`` (after any state received)
+    when it aborts, so that a re-run does not count the aborted forward twice. For BatchNorm's running mean
+    the average is the running mean of the step's whole batch; its running variance is the weighted mean of
+    the members' (without the spread between the members' means), as each member's batch statistics are
+    its own.
 
     Args:
         module: This member's replica (floating-point parameters of one dtype and device, buffers on it too;
@@ -220,6 +221,7 @@ class ElasticDataParallel:
             self.min_members, self.initial_members, self.max_members, self.quorum_timeout, self.member_timeout
         )
         self._forgotten: int | None = None  # the last attempt whose keys this member deleted as a source
+        self._buffers_before: list[torch.Tensor] | None = None  # the buffers before this attempt's compute
         self.aborted_attempts = 0
 
     @property
@@ -279,7 +281,6 @@ class ElasticDataParallel:
             self._drop_group()
             return None
         self._attempt = a + 1
-        saved = [b.detach().clone() for b in self._buffers]  # what an abort restores
         averaged = self._reduce(quorum, compute)
         committed = decide(
             self._stores,
@@ -291,9 +292,7 @@ class ElasticDataParallel:
         )
         self._last = (quorum, committed)
         if not committed or averaged is None:
-            with torch.no_grad():
-                for b, old in zip(self._buffers, saved, strict=True):
-                    b.copy_(old)
+            self._restore_buffers()
             self.aborted_attempts += 1
             self._drop_group()
             self._clear_grads()
@@ -334,6 +333,7 @@ class ElasticDataParallel:
         the step commits); None if a collective failed.
         """
         rank = quorum.members.index(self.name)
+        self._buffers_before = None
         try:
             group = self._group_for(quorum, rank)
             if quorum.sync:
@@ -343,6 +343,8 @@ class ElasticDataParallel:
             self._drop_group()
             return None
         self._clear_grads()
+        # After the state transfer (an abort must not undo what this member received), before the forward.
+        self._buffers_before = [b.detach().clone() for b in self._buffers]
         try:
             weight = compute(StepContext(quorum.step, quorum.members, self.name, rank))
             w = 1.0 if weight is None else float(weight)
@@ -389,6 +391,14 @@ class ElasticDataParallel:
             averaged.append(mean[offset : offset + n].view_as(b))
             offset += n
         return averaged
+
+    def _restore_buffers(self) -> None:
+        """After an abort: undo what this attempt's forward did to the buffers (if ``compute`` ran)."""
+        if self._buffers_before is not None:
+            with torch.no_grad():
+                for b, old in zip(self._buffers, self._buffers_before, strict=True):
+                    b.copy_(old)
+            self._buffers_before = None
 
     def _share(self, group: Any, quorum: Quorum, rank: int) -> None:
         root = quorum.members.index(quorum.source)
