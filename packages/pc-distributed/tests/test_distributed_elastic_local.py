@@ -44,6 +44,26 @@ def _member(store: Any, name: str, steps: int, **kwargs: Any) -> dict[str, Any]:
         return {"params": params(model), "log": list(edp.quorum_log), "aborted": edp.aborted_attempts}
 
 
+def _with_late_joiner(store: Any, name: str, steps: int) -> dict[str, Any]:
+    """Members "a" and "b" start the job; "late" joins once a step committed, at step 2 (held for it)."""
+    job_keys = _store.prefix_store("pc_elastic/default", store)
+    if name == "late":
+        job_keys.wait(["committed"], timedelta(seconds=60))  # the others have trained at least a step
+        return _member(store, name, steps)
+    model = make_model(name)
+    kwargs = {**FAST, "initial_members": 2}
+    with pd.ElasticDataParallel(model, make_optimizer(model), name=name, store=store, **kwargs) as edp:
+
+        def compute(ctx: pd.StepContext) -> int:
+            if ctx.step == 2:  # hold step 2 until the late member is at a boundary (enlisted)
+                job_keys.wait(["reg/2"], timedelta(seconds=60))
+            return shard_loss(model, ctx)
+
+        while edp.step < steps:
+            edp.train_step(compute)
+        return {"params": params(model), "log": list(edp.quorum_log), "aborted": edp.aborted_attempts}
+
+
 def _assert_replay(results: dict[str, Any], log: list[Any]) -> None:
     expected = replay(log)
     for name, r in results.items():
@@ -108,26 +128,7 @@ def test_members_train_in_step_and_equal_a_replay_of_their_log() -> None:
 
 def test_a_member_joining_later_receives_the_state_and_ends_equal() -> None:
     store = dist.HashStore()
-    job_keys = _store.prefix_store("pc_elastic/default", store)
-
-    def body(name: str) -> dict[str, Any]:
-        if name == "late":
-            job_keys.wait(["committed"], timedelta(seconds=60))  # the others have trained at least a step
-            return _member(store, name, 8)
-        model = make_model(name)
-        kwargs = {**FAST, "initial_members": 2}
-        with pd.ElasticDataParallel(model, make_optimizer(model), name=name, store=store, **kwargs) as edp:
-
-            def compute(ctx: pd.StepContext) -> int:
-                if ctx.step == 2:  # hold step 2 until the late member is at a boundary (enlisted)
-                    job_keys.wait(["reg/2"], timedelta(seconds=60))
-                return shard_loss(model, ctx)
-
-            while edp.step < 8:
-                edp.train_step(compute)
-            return {"params": params(model), "log": list(edp.quorum_log)}
-
-    out = run_threads(body, ["a", "b", "late"])
+    out = run_threads(lambda name: _with_late_joiner(store, name, 8), ["a", "b", "late"])
     for r in out.values():
         assert not isinstance(r, BaseException), r
     late = out["late"]["log"]
@@ -143,7 +144,6 @@ def test_an_aborted_step_restores_the_buffers_a_joiner_received_not_its_own(
     """The first step with a joiner receives the state, then aborts: every member re-runs it from the buffers
     the state transfer left (the joiner's own, from before the transfer, would be stale)."""
     store = dist.HashStore()
-    job_keys = _store.prefix_store("pc_elastic/default", store)
     real = _torch_dist.group_all_reduce_sum
     failed: list[str] = []
 
@@ -157,22 +157,7 @@ def test_an_aborted_step_restores_the_buffers_a_joiner_received_not_its_own(
 
     def body(name: str) -> dict[str, Any]:
         threading.current_thread().name = f"member-{name}"
-        if name == "late":
-            job_keys.wait(["committed"], timedelta(seconds=60))
-            out = _member(store, name, 5)
-            return out
-        model = make_model(name)
-        kwargs = {**FAST, "initial_members": 2}
-        with pd.ElasticDataParallel(model, make_optimizer(model), name=name, store=store, **kwargs) as edp:
-
-            def compute(ctx: pd.StepContext) -> int:
-                if ctx.step == 2:  # hold step 2 until the late member is at a boundary (enlisted)
-                    job_keys.wait(["reg/2"], timedelta(seconds=60))
-                return shard_loss(model, ctx)
-
-            while edp.step < 5:
-                edp.train_step(compute)
-            return {"params": params(model), "log": list(edp.quorum_log), "aborted": edp.aborted_attempts}
+        return _with_late_joiner(store, name, 5)
 
     out = run_threads(body, ["a", "b", "late"])
     for r in out.values():
