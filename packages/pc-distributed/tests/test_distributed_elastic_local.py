@@ -27,7 +27,7 @@ from distributed_elastic_testutils import (
 
 import pc_distributed as pd
 from pc_distributed import _store, _torch_dist
-from pc_distributed.parallel.elastic import _connect
+from pc_distributed.parallel.elastic import _connect, _engine
 
 pytestmark = pytest.mark.backends_inside
 
@@ -388,3 +388,76 @@ def test_a_member_silent_at_the_boundary_is_left_out_one_member_timeout_after_it
         me.stop()
         ours.close()
         theirs.close()
+
+
+# -- the NCCL engine's orchestration, on gloo stand-ins ---
+
+
+class _HungWork:
+    """A collective that never completes: its wait returns only when its group is aborted."""
+
+    def __init__(self, aborted: threading.Event) -> None:
+        self.aborted = aborted
+
+    def wait(self, *args: Any) -> None:
+        if not self.aborted.wait(60):
+            raise AssertionError("the hung collective's group was never aborted")
+        raise RuntimeError("stand-in: the collective ended by the abort")
+
+
+class _StandInNcclGroup:
+    """An NCCL group for the CPU: a gloo group that counts its aborts, whose all-reduce may hang until one."""
+
+    def __init__(self, inner: Any, hang: bool) -> None:
+        self.inner = inner
+        self.hang = hang
+        self.aborted = threading.Event()
+        self.aborts = 0
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> Any:
+        return _HungWork(self.aborted) if self.hang else self.inner.allreduce(tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], options: Any) -> Any:
+        return self.inner.broadcast(tensors, options)
+
+    def abort(self) -> None:
+        self.aborts += 1
+        self.aborted.set()
+
+
+def test_the_nccl_engine_aborts_a_hung_reduction_and_the_step_is_rerun(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Member b's first reduction hangs (as NCCL's kernel would for a dead peer): its helper thread is
+    abandoned at the collective timeout, the group aborted (which ends the helper's wait), and the step is
+    re-run on a new group. Every group the engine made is aborted exactly once (at a failure, a change or
+    the close), and the parameters equal the replay."""
+    made: list[_StandInNcclGroup] = []
+
+    def stand_in_group(store: Any, prefix: str, rank: int, size: int, timeout: float) -> Any:
+        hang = threading.current_thread().name == "member-b" and not any(g.hang for g in made)
+        group = _StandInNcclGroup(_torch_dist.quorum_group(store, prefix, rank, size, timeout), hang)
+        made.append(group)
+        return group
+
+    monkeypatch.setattr(_torch_dist, "nccl_quorum_groups_available", lambda: True)
+    monkeypatch.setattr(_torch_dist, "nccl_quorum_group", stand_in_group)
+    monkeypatch.setattr(_engine, "NCCL_DEVICE_TYPES", ("cuda", "cpu"))
+    store = dist.HashStore()
+
+    def body(name: str) -> dict[str, Any]:
+        threading.current_thread().name = f"member-{name}"
+        return _member(store, name, 4, initial_members=3, dist_backend="nccl", collective_timeout=3.0)
+
+    out = run_threads(body, ["a", "b", "c"])
+    for r in out.values():
+        assert not isinstance(r, BaseException), r
+    hung = [g for g in made if g.hang]
+    assert len(hung) == 1
+    assert hung[0].aborted.is_set()
+    assert all(out[n]["aborted"] >= 1 for n in "abc"), out
+    log = out["a"]["log"]
+    assert log == [(s, ("a", "b", "c")) for s in range(4)]
+    assert len(made) >= 6  # a group per member for the aborted attempt, and new ones for the re-run
+    assert [g.aborts for g in made] == [1] * len(made)
+    _assert_replay(out, log)

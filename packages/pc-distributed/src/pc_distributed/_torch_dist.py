@@ -31,6 +31,7 @@ from pc_distributed._bounded import WAIT_GRACE, call_bounded
 from pc_distributed._store import prefix_store
 
 __all__ = [
+    "abort_group",
     "bounded_here",
     "check_backend",
     "destroy_pg",
@@ -40,6 +41,8 @@ __all__ = [
     "init_pg",
     "init_rpc",
     "link_devices",
+    "nccl_quorum_group",
+    "nccl_quorum_groups_available",
     "new_group",
     "p2p_carries",
     "pair_link",
@@ -50,6 +53,11 @@ __all__ = [
 ]
 
 _ProcessGroupGloo: Any = getattr(dist, "ProcessGroupGloo", None)
+# NCCL's group (CUDA builds only). Its communicator config (``NCCLConfig``: ``blocking = 0`` makes the set-up
+# return at once, so an abort can end a set-up a dead peer would block) is public on every supported release;
+# the abort is ``abort()`` from torch 2.5 and ``_shutdown()`` before it (2.4's shutdown aborts; 2.5's is the
+# graceful ``ncclCommDestroy``, which waits for the peers): see :func:`abort_group`.
+_ProcessGroupNCCL: Any = getattr(dist, "ProcessGroupNCCL", None)
 # gloo's group options: private (``_Options`` with ``_devices``, ``_timeout``, ``_threads``) on every release
 # supported; where they are missing or named otherwise, each link makes its own device (link_devices: None).
 _GLOO_OPTIONS: Any = getattr(_ProcessGroupGloo, "_Options", None)
@@ -261,8 +269,9 @@ def shutdown_rpc_agent(graceful: bool, timeout: float) -> None:
         rpc.shutdown(graceful=False)
 
 
-# The elastic trainer's groups (``parallel.elastic``): one gloo group per quorum, built like the pair links
-# on a store scoped to the quorum, with no default process group, so a broken one is simply dropped.
+# The elastic trainer's groups (``parallel.elastic``): one group per quorum, built like the pair links on a
+# store scoped to the quorum, with no default process group. A broken gloo group is simply dropped; an NCCL
+# group is aborted (its communicators hold device memory, and a kernel waiting for a dead peer only ends so).
 
 
 def elastic_groups_available() -> bool:
@@ -294,3 +303,73 @@ def group_broadcast(group: Any, tensor: torch.Tensor, root: int, timeout: float)
     options = dist.BroadcastOptions()
     options.rootRank = root
     group.broadcast([tensor], options).wait(timedelta(seconds=timeout))
+
+
+def nccl_quorum_groups_available() -> bool:
+    """Whether this torch build can make NCCL quorum groups the elastic trainer can abort.
+
+    Needs NCCL built in, its non-blocking communicator config (``ProcessGroupNCCL.NCCLConfig``) and an abort
+    (``abort`` from torch 2.5, ``_shutdown`` on 2.4).
+    """
+    if _ProcessGroupNCCL is None or not dist.is_nccl_available():
+        return False
+    if not hasattr(_ProcessGroupNCCL, "NCCLConfig") or not hasattr(_ProcessGroupNCCL, "Options"):
+        return False
+    return _nccl_abort_name(_ProcessGroupNCCL) is not None
+
+
+def _torch_release() -> tuple[int, int]:
+    """This torch's (major, minor) release."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _nccl_abort_name(group_type: Any) -> str | None:
+    """The method that aborts an NCCL group on this torch, or None.
+
+    ``_shutdown`` is trusted only before torch 2.5, where it aborts; from 2.5 a shutdown is the graceful
+    destroy, which waits for the peers.
+    """
+    if hasattr(group_type, "abort"):
+        return "abort"
+    if hasattr(group_type, "_shutdown") and _torch_release() < (2, 5):
+        return "_shutdown"
+    return None
+
+
+def nccl_quorum_group(store: Any, prefix: str, rank: int, size: int, timeout: float) -> Any:
+    """An NCCL process group of ``size`` members on ``store`` under ``prefix``, for :func:`abort_group`.
+
+    The communicator is non-blocking (``config.blocking = 0``): its set-up returns at once instead of
+    waiting inside NCCL for every peer, so a caller that gives up on a dead peer can abort it. torch makes
+    the communicator at the group's first collective. The group's own timeout (its watchdog's, which ends
+    the process when it fires) is set to twice ``timeout`` plus a minute: the caller bounds each collective
+    by ``timeout`` and aborts the group first.
+
+    Raises:
+        RuntimeError: If this build cannot make such groups (:func:`nccl_quorum_groups_available`).
+    """
+    if not nccl_quorum_groups_available():
+        raise RuntimeError(
+            "this torch build has no abortable NCCL groups (NCCL with a non-blocking communicator config "
+            "and an abort), which the elastic trainer's NCCL engine needs"
+        )
+    options = _ProcessGroupNCCL.Options()
+    options.config.blocking = 0
+    options._timeout = timedelta(seconds=2 * timeout + 60)
+    return _ProcessGroupNCCL(prefix_store(prefix, store), rank, size, options)
+
+
+def abort_group(group: Any) -> None:
+    """Abort an NCCL group's communicators at once, without waiting for its peers (a dead peer never comes).
+
+    torch 2.5 and later: ``abort()`` (their ``shutdown()`` is the graceful destroy, which waits for the
+    peers); torch 2.4: ``_shutdown()``, which aborts. Collectives blocked in the group end with an error.
+
+    Raises:
+        RuntimeError: If ``group`` has no abort on this torch.
+    """
+    name = _nccl_abort_name(type(group))
+    if name is None:
+        raise RuntimeError(f"{type(group).__name__} has no abort on torch {torch.__version__}")
+    getattr(group, name)()

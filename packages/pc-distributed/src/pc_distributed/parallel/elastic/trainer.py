@@ -8,7 +8,7 @@
     train_step(compute):
       1. ready/<a>/<me> = committed steps         ----->  q/<a> = quorum (compare_set, first proposal wins)
          wait for every live member, read q/<a>   <-----
-      2. group for q/<a> (gloo, store prefix pg/<group>); the lowest up-to-date member's state -> q.sync
+      2. group for q/<a> (gloo or NCCL, keys pg/<group>); the lowest up-to-date member's state -> q.sync
       3. compute(ctx): forward/backward on this member's share of the step's batch
       4. all-reduce [w * grads, w * buffers, w];  done/<a>/<me>  ----->  decide/<a> = commit | abort
       5. commit: grads = sum(w * grads) / sum(w), optimizer.step(), buffers = their average, step += 1
@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 import torch
 
 import pc_distributed.parallel.elastic._quorum as _quorum
-from pc_distributed import _torch_dist
 from pc_distributed._checks import int_at_least, positive_seconds
 from pc_distributed.parallel.elastic._connect import connect
+from pc_distributed.parallel.elastic._engine import engine_for
 from pc_distributed.parallel.elastic._membership import Membership
 from pc_distributed.parallel.elastic._quorum import (
     Quorum,
@@ -99,8 +99,7 @@ class ElasticDataParallel:
 
     Args:
         module: This member's replica (floating-point parameters of one dtype and device, buffers on it too;
-            CPU or CUDA: the groups are gloo's, so a CUDA module's sums and state travel through host
-            memory).
+            CPU or CUDA).
         optimizer: The optimizer over ``module``'s parameters.
         name: This member's name, unique in the job for the life of the job (a restarted process needs a
             new one, e.g. with ``TORCHELASTIC_RESTART_COUNT`` in it).
@@ -120,15 +119,20 @@ class ElasticDataParallel:
         collective_timeout: Seconds of the group's rendezvous and of each collective (a member that hangs
             inside a reduction costs the others this long before the step is aborted).
         store_timeout: Seconds of each store request (a member cut off from the store raises after this).
+        dist_backend: What carries each quorum's collectives: ``"gloo"`` (None: the default; any device, a
+            CUDA module's sums and state travel through host memory) or ``"nccl"`` (a CUDA module, one GPU per
+            member; the sums stay on the device; each collective runs on a helper thread bounded by
+            ``collective_timeout``, after which the group is aborted).
 
     Attributes:
         aborted_attempts: Attempts of this member that were aborted (and re-run with the next quorum).
 
     Raises:
         TypeError: If an argument has the wrong type.
-        ValueError: Bad values, a name already in use, or a store that would die with a rank.
+        ValueError: Bad values, a name already in use, a store that would die with a rank, or
+            ``dist_backend='nccl'`` for a module not on a CUDA device.
         TimeoutError: If the store cannot be reached within ``store_timeout``.
-        RuntimeError: If this torch build has no gloo.
+        RuntimeError: If this torch build lacks the engine (no gloo; no NCCL groups that can be aborted).
 
     Examples:
         >>> sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # doctest: +SKIP
@@ -153,6 +157,7 @@ class ElasticDataParallel:
         quorum_timeout: float = 60.0,
         collective_timeout: float = 30.0,
         store_timeout: float = 30.0,
+        dist_backend: str | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -187,8 +192,7 @@ class ElasticDataParallel:
             raise ValueError(
                 f"module's parameters must share one floating dtype and device, got {sorted(map(str, kinds))}"
             )
-        if not _torch_dist.elastic_groups_available():
-            raise RuntimeError("this torch build has no gloo, which ElasticDataParallel's groups need")
+        self._engine = engine_for(dist_backend, self._params[0].device, self.collective_timeout)
         self._buffers = list(module.buffers())
         self._float_buffers = [b for b in self._buffers if b.is_floating_point()]
         if any(b.device != self._params[0].device for b in self._buffers):
@@ -367,18 +371,14 @@ class ElasticDataParallel:
         flat = torch.cat(parts)
         if w != 1.0:
             flat.mul_(w)  # the gradients and the weight itself: [w * g, w]
-        # The groups are gloo's: a CUDA module's sums travel through host memory (one copy each way).
-        on_host = flat if flat.device.type == "cpu" else flat.cpu()
         try:
-            _torch_dist.group_all_reduce_sum(group, on_host, self.collective_timeout)
+            self._engine.all_reduce_sum(group, flat)
         except RuntimeError as exc:
             logger.info(
                 "elastic member %r: reduction of attempt %d failed: %r", self.name, quorum.attempt, exc
             )
             self._drop_group()
             return None
-        if on_host is not flat:
-            flat.copy_(on_host)
         mean = flat[:-1].div_(flat[-1])
         offset = 0
         for p in self._params:  # views of this step's own buffer: no copy
@@ -409,7 +409,9 @@ class ElasticDataParallel:
                 "optimizer": self.optimizer.state_dict(),
                 "step": quorum.step,
             }
-        received = share_state(group, root, state, self._params[0].device, self.collective_timeout)
+        received = share_state(
+            lambda t, r: self._engine.broadcast(group, t, r), root, state, self._params[0].device
+        )
         if self.name in quorum.sync:
             self.module.load_state_dict(received["model"])
             self.optimizer.load_state_dict(received["optimizer"])
@@ -418,20 +420,21 @@ class ElasticDataParallel:
     def _group_for(self, quorum: Quorum, rank: int) -> Any:
         if self._group is None or self._group_id != quorum.group:
             self._drop_group()
-            self._group = _torch_dist.quorum_group(
+            self._group = self._engine.group(
                 self._stores.group_store(),
                 f"{self._stores.prefix}/pg/{quorum.group}",
                 rank,
                 len(quorum.members),
-                self.collective_timeout,
             )
             self._group_id = quorum.group
         return self._group
 
     def _drop_group(self) -> None:
-        # A broken group is never waited on again: dropping the reference is all (no barrier, no destroy).
-        self._group = None
-        self._group_id = -1
+        # A group is never waited on again once dropped: no barrier, no graceful destroy (gloo's is let go,
+        # NCCL's aborted, which also ends a collective still blocked in it).
+        group, self._group, self._group_id = self._group, None, -1
+        if group is not None:
+            self._engine.drop(group)
 
     def _clear_grads(self) -> None:
         for p in self._params:
