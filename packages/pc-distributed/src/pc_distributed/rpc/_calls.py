@@ -249,15 +249,10 @@ class ServiceCall:
                 out.set_exception(self.not_found())
                 return
 
-            def done(fut: torch.futures.Future[Any]) -> None:
+            def relay(fut: torch.futures.Future[Any]) -> None:
                 try:
-                    envelope = fut.wait()
-                except (RuntimeError, OSError) as exc:
-                    out.set_exception(with_cause(peer_error(exc, owner, "rpc"), exc))
-                    return
-                try:
-                    out.set_result(unwrap(envelope, f"process {owner!r}"))
-                except MissingOnOwner:
+                    out.set_result(fut.wait())
+                except MissingOnOwner:  # the owner lost the service since the look-up: try the next
                     if index + 1 == len(attempts):
                         out.set_exception(self.not_found())
                         return
@@ -268,7 +263,10 @@ class ServiceCall:
                 except Exception as exc:
                     out.set_exception(exc)
 
-            self._send("rpc_async", owner).add_done_callback(done)
+            sent = self._send("rpc_async", owner)
+            chain_future(
+                sent, owner, lambda envelope: unwrap(envelope, f"process {owner!r}"), "rpc"
+            ).add_done_callback(relay)
 
         attempt(0)
         return out
@@ -286,16 +284,22 @@ class ServiceCall:
 
 
 def chain_future(
-    raw: torch.futures.Future[Any], target: str, finish: Callable[[Any], Any]
+    raw: torch.futures.Future[Any], target: str, finish: Callable[[Any], Any], op: str = "rpc_async"
 ) -> torch.futures.Future[Any]:
-    """A future completed with ``finish(envelope)``, or its exception, torch's failures mapped."""
+    """A future completed with ``finish(envelope)``, or its exception, torch's failures mapped.
+
+    ``op`` names the call in a lost peer's error (``"rpc_async"``, or ``"rpc"`` for a service's call).
+    """
     out: torch.futures.Future[Any] = torch.futures.Future()
 
     def done(fut: torch.futures.Future[Any]) -> None:
         try:
             envelope = fut.wait()
         except (RuntimeError, OSError) as exc:
-            out.set_exception(with_cause(peer_error(exc, target, "rpc_async"), exc))
+            out.set_exception(with_cause(peer_error(exc, target, op), exc))
+            return
+        except Exception as exc:  # anything else as it is: a callback that raised would leave ``out`` pending
+            out.set_exception(exc)
             return
         try:
             out.set_result(finish(envelope))
