@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pool_testutils as tu
 import pytest
@@ -61,13 +62,14 @@ def test_pool_share_mode_result_survives_a_kill_before_the_parent_loads_it(
         real_loads = pc_pool._serial.loads
         killed: list[int] = []
 
-        def loads_after_the_worker_died(data: bytes) -> object:
+        # A replacement worker forked while this is installed loads arguments through it: pass keywords on.
+        def loads_after_the_worker_died(data: bytes, **kwargs: Any) -> object:
             if not killed:
                 pid = pool._workers[0].process.pid
                 os.kill(pid, signal.SIGKILL)
                 os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # dead, left for the pool to reap
                 killed.append(pid)
-            return real_loads(data)
+            return real_loads(data, **kwargs)
 
         monkeypatch.setattr(pc_pool._serial, "loads", loads_after_the_worker_died)
         value = pool.apply_async(_tensor, (5,)).get(tu.T)
@@ -105,13 +107,13 @@ _FILE_SYSTEM_SCRIPT = textwrap.dedent(
             real_loads = pc_pool._serial.loads
             killed = []
 
-            def loads_after_the_worker_died(data):
+            def loads_after_the_worker_died(data, **kwargs):
                 if not killed:
                     pid = pool._workers[0].process.pid
                     os.kill(pid, signal.SIGKILL)
                     os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
                     killed.append(pid)
-                return real_loads(data)
+                return real_loads(data, **kwargs)
 
             pool.map(abs, [1, 2])  # both workers idle: the next apply goes to worker 0
             pc_pool._serial.loads = loads_after_the_worker_died

@@ -39,7 +39,7 @@ from pc_pickle._payload import Chunks, outer_pieces, release_outer, unpickle
 from pc_pickle._resources import is_resource, reduce_resource
 from pc_pickle._seal import seal, verify
 from pc_pickle._staging import write_piece
-from pc_pickle._tensors import StorageTable
+from pc_pickle._tensors import StorageTable, reporting_opened_cuda
 
 __all__ = ["Pickler", "dumps", "loads"]
 
@@ -312,7 +312,9 @@ def _write_payload(obj: Any, recurse: bool, copy_tensor: bool, read_files: bool)
     return seal(outer_pieces(*_build_payload(obj, recurse, copy_tensor, read_files)))
 
 
-def loads(data: bytes | bytearray | memoryview) -> Any:
+def loads(
+    data: bytes | bytearray | memoryview, *, opened_cuda: list[torch.UntypedStorage] | None = None
+) -> Any:
     """Load a payload written by :func:`dumps` or :class:`Pickler`, in this or any other process.
 
     **Trusted input only**: loading runs code named by the payload. The header check below catches
@@ -327,8 +329,18 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
     a ``__reduce__`` callable or ``__init__`` that raises) propagate unchanged, as with :mod:`pickle`: they
     are the object's errors, not the payload's, and callers that catch their own types keep working.
 
+    Opening a shared CUDA tensor's handle (``cudaIpcOpenMemHandle``) is most of what loading it costs. torch
+    opens it once per storage while this process still holds a storage it opened for it, so a consumer that
+    receives the same CUDA tensor again and again can keep the storages a load opened (``opened_cuda``) until
+    its next load: that load then reuses them, waiting for the producer's writes as an opened handle does.
+    Holding them keeps the producer's CUDA memory referenced: the producer cannot free it until they are
+    dropped.
+
     Args:
         data: The payload bytes.
+        opened_cuda: If given, a list to which the load appends each CUDA storage it opened from a share
+            handle at the top level of this payload. Nothing is appended on a torch whose handle reuse pc does
+            not recognise (holding them would then buy nothing).
 
     Returns:
         The object.
@@ -342,7 +354,9 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
         SharedHandleError: (a :class:`PayloadError`) if a shared tensor can no longer be opened (producer
             gone, payload loaded twice).
     """
-    return unpickle(*_verified_view(data, "loads"))
+    view, stops = _verified_view(data, "loads")
+    with reporting_opened_cuda(opened_cuda):
+        return unpickle(view, stops)
 
 
 def _verified_view(data: object, caller: str) -> tuple[memoryview, tuple[int, ...]]:
@@ -379,4 +393,5 @@ def release(data: bytes | bytearray | memoryview) -> None:
         SharedHandleError: If a handle cannot be opened: loaded or released already, or ('file_descriptor')
             the producer is gone, in which case its fds went with it and nothing is left to free.
     """
-    release_outer(*_verified_view(data, "release"))
+    with reporting_opened_cuda(None):  # what a release opens is dropped at once, never kept
+        release_outer(*_verified_view(data, "release"))

@@ -22,6 +22,12 @@ join); on load, the storage's bytes are read in place from the payload (:class:`
 by chunk into pinned buffers and sent to the device asynchronously (a buffer is refilled once its last copy
 is done), and the copies are waited for once at the end. The payload bytes are the same as an unstaged copy's.
 
+A CUDA share handle is opened by torch's ``rebuild_cuda_tensor``, which reuses the storage a consumer still
+holds for the same handle instead of opening it again (``cudaIpcOpenMemHandle``, most of such a load's cost).
+On that reuse torch skips the wait for the producer's event, so pc waits for it itself
+(:func:`_open_shared_cuda`); a caller of ``loads(..., opened_cuda=[...])`` is told which storages it may
+hold so that a later load of the same storage reuses the handle.
+
 Non-goals: sparse, quantized, nested and meta tensors, tensors with the conjugate or negative bit set, tensor
 subclasses other than ``nn.Parameter`` and legacy typed storages in copy mode are left to torch's own
 reduction.
@@ -31,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import inspect
 import pickle
 import threading
 from collections.abc import Callable, Iterator
@@ -48,12 +56,14 @@ __all__ = [
     "SHARE_REDUCERS",
     "LentRegions",
     "StorageTable",
+    "cuda_reuse_supported",
     "current_storages",
     "installed_storages",
     "lent_regions",
     "materialize_entry",
     "rebuild_cuda_event",
     "reduce_cuda_event",
+    "reporting_opened_cuda",
 ]
 
 # Reduce results are (callable, args) pairs; "Any" because pickle accepts any callable and any argument tuple.
@@ -377,6 +387,102 @@ def _fill_region(data: bytearray, source: memoryview) -> None:
     target[:] = source
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Reusing an opened CUDA share handle
+# ----------------------------------------------------------------------------------------------------------
+# torch's rebuild_cuda_tensor first looks the handle up in reductions.shared_cache (weak references keyed by
+# (handle, offset)): while this process still holds the storage it opened for that handle, it returns that
+# storage and gives back the producer's new reference count at once, instead of opening the handle again. On
+# that path it does not wait for the event the producer recorded when it shared the tensor, so a write the
+# producer queued before sending could still be running when this process reads. _open_shared_cuda waits for
+# it on the device's current stream, as opening the handle does. The argument layout and the cache are torch
+# internals (the same from torch 1.1 to 2.13): they are checked once, and where they differ nothing is waited
+# for and no storage is reported for keeping, so every load opens its handle as before.
+_CUDA_REBUILD_PARAMS = (
+    "tensor_cls",
+    "tensor_size",
+    "tensor_stride",
+    "tensor_offset",
+    "storage_cls",
+    "dtype",
+    "storage_device",
+    "storage_handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
+
+
+@functools.cache
+def cuda_reuse_supported() -> bool:
+    """Whether this torch's CUDA share handles can be reused safely (see the comment above).
+
+    True when :mod:`torch.multiprocessing.reductions` has ``rebuild_cuda_tensor`` with the argument layout pc
+    reads and the ``storage_from_cache`` lookup of its handle cache.
+    """
+    rebuild = getattr(reductions, "rebuild_cuda_tensor", None)
+    if not callable(rebuild) or not callable(getattr(reductions, "storage_from_cache", None)):
+        return False
+    try:
+        params = tuple(inspect.signature(rebuild).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params == _CUDA_REBUILD_PARAMS
+
+
+def _reuses_handles(rebuild: Any) -> bool:
+    return cuda_reuse_supported() and rebuild is reductions.rebuild_cuda_tensor
+
+
+def _open_shared_cuda(rebuild: Any, args: tuple[Any, ...]) -> torch.Tensor:
+    """``rebuild(*args)``; where torch will reuse a storage held here, first wait for the producer."""
+    if not _reuses_handles(rebuild) or len(args) != len(_CUDA_REBUILD_PARAMS):
+        return rebuild(*args)  # type: ignore[no-any-return]
+    named = dict(zip(_CUDA_REBUILD_PARAMS, args, strict=True))
+    handle = named["storage_handle"]
+    if handle is None or named["storage_size_bytes"] == 0:
+        return rebuild(*args)  # type: ignore[no-any-return]
+    lookup: Any = reductions.storage_from_cache  # Any: untyped
+    # Held until rebuild returns, so the storage cannot die in between and rebuild reuses it too.
+    held = lookup(named["storage_cls"], (handle, named["storage_offset_bytes"]))
+    if held is not None and named["event_sync_required"]:
+        index = named["storage_device"]  # the device index, as _share_cuda_ reports it
+        device = torch.device("cuda", index) if isinstance(index, int) else torch.device(index)
+        event = rebuild_cuda_event(device, named["event_handle"])
+        event.wait(torch.cuda.current_stream(device))
+    try:
+        return rebuild(*args)  # type: ignore[no-any-return]
+    finally:
+        del held
+
+
+class reporting_opened_cuda:  # noqa: N801 - used like a function: `with reporting_opened_cuda(into):`
+    """Context manager: CUDA storages opened from share handles while it is active are appended to ``into``.
+
+    Only where :func:`cuda_reuse_supported`; otherwise nothing is appended (holding a storage would then buy
+    nothing, and could not be made safe). ``None`` reports nothing, so a nested load does not report into the
+    list of the load around it.
+
+    Args:
+        into: The list to append to, or ``None``.
+    """
+
+    def __init__(self, into: list[torch.UntypedStorage] | None) -> None:
+        self._into = into
+        self._previous: list[torch.UntypedStorage] | None = None
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_local, "opened_cuda", None)
+        _local.opened_cuda = self._into
+
+    def __exit__(self, *exc: object) -> None:
+        _local.opened_cuda = self._previous
+
+
 def materialize_entry(entry: tuple[Any, ...]) -> torch.UntypedStorage:
     """Turn one table entry back into a storage.
 
@@ -415,14 +521,20 @@ def materialize_entry(entry: tuple[Any, ...]) -> torch.UntypedStorage:
         else:
             _, rebuild, args = entry
         try:
-            result = rebuild(*args)
+            result = _open_shared_cuda(rebuild, args) if tag == _SHARE_CUDA else rebuild(*args)
         except (OSError, EOFError, RuntimeError, KeyError, ValueError) as exc:
             raise SharedHandleError(
                 f"could not open a shared tensor handle ({type(exc).__name__}: {exc}). Share payloads are "
                 "one-shot (load each exactly once) and, with the 'file_descriptor' strategy, the producing "
                 "process must be alive when the payload is loaded"
             ) from exc
-        return result.untyped_storage() if tag == _SHARE_CUDA else result  # type: ignore[no-any-return]
+        if tag == _SHARE:
+            return result  # type: ignore[return-value]
+        storage: torch.UntypedStorage = result.untyped_storage()
+        opened: list[torch.UntypedStorage] | None = getattr(_local, "opened_cuda", None)
+        if opened is not None and _reuses_handles(rebuild):
+            opened.append(storage)
+        return storage
     raise PayloadError(
         f"unknown storage table entry tag {tag!r} (expected {_COPY}, {_SHARE} or {_SHARE_CUDA})"
     )

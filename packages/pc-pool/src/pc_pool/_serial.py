@@ -73,11 +73,20 @@ def dumps(obj: Any, *, recurse: bool = False, copy_tensor: bool = True) -> bytes
         ) from exc
 
 
-def loads(data: bytes) -> Any:
-    """Deserialize a payload produced by :func:`dumps` (in this process or another one)."""
+def loads(data: bytes, *, opened_cuda: list[torch.UntypedStorage] | None = None) -> Any:
+    """Deserialize a payload produced by :func:`dumps` (in this process or another one).
+
+    Args:
+        data: The payload.
+        opened_cuda: If given, receives the CUDA storages the load opened from share handles, which a holder
+            may keep so that a later load of the same storage reuses the handle (see :func:`pc_pickle.loads`).
+
+    Returns:
+        The object.
+    """
     if data[:1] == _PLAIN:
         return pickle.loads(memoryview(data)[1:])
-    return pc_pickle.loads(data)
+    return pc_pickle.loads(data, opened_cuda=opened_cuda)
 
 
 def release(data: bytes | None) -> None:

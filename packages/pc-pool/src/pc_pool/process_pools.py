@@ -52,7 +52,9 @@ class Pool(BasePool):
     Note:
         To share "cpu" tensors in shared memory, set ``is_copy_tensor=False, share_method="cpu"``; to share
         "cuda" tensors, set ``is_copy_tensor=False, share_method="cuda"``. ``share_method="cpu"`` uses fork;
-        otherwise workers are spawned.
+        otherwise workers are spawned. A worker keeps the CUDA storages it received for its last task until
+        the next task's arguments are loaded, so sending the same CUDA tensor again reuses its opened IPC
+        handle; the caller's CUDA block stays referenced until then (or until the worker exits).
 
     Args:
         processes: Number of processes in the pool (default ``os.cpu_count()``).

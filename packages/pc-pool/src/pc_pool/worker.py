@@ -7,6 +7,11 @@ load the initializer, its arguments and the worker's context, then run the pool'
 The task loop (:func:`worker_loop`, the default ``BasePool.worker``) reads one chunk at a time, so the parent
 knows which chunk was running when the worker died. The function of a job arrives with the worker's first
 chunk of that job, is loaded once and cached by job id until the parent says the job ended.
+
+In share mode the worker keeps the CUDA storages it opened for the last chunk's arguments until the next
+chunk's arguments are loaded (:class:`_LastArguments`): torch reuses an opened CUDA IPC handle only while the
+receiving process still holds its storage, so a caller that sends the same CUDA tensor chunk after chunk
+opens its handle once instead of once per chunk.
 """
 
 from __future__ import annotations
@@ -102,18 +107,67 @@ def _error_reply(kind: int, job: int, chunk: int, exc: BaseException, copy_tenso
         return (K_ENC if kind == K_ERR else kind, job, chunk, tb), _serial.dumps(enc)
 
 
+class _LastArguments:
+    """Loads each chunk's arguments and keeps the CUDA storages opened for the last one until the next load.
+
+    Why: opening a CUDA IPC handle (``cudaIpcOpenMemHandle``) is most of what receiving a shared CUDA tensor
+    costs, and torch reuses an opened handle only while this process still holds the storage it opened it for.
+    Arguments are dropped when their chunk ends, so without this every chunk that sends the same CUDA tensor
+    would open its handle again.
+
+    Bounds: at most one chunk's storages are kept. They are dropped once the next chunk's arguments are loaded
+    (reused or not) and by :meth:`release`, which the worker calls when it stops taking chunks (exit request,
+    retirement, ``terminate()``, a failing ``worker`` hook). Only CUDA storages opened from share handles are
+    kept (pc_pickle reports none on a torch whose handle reuse it does not recognise); tensors are the
+    caller's memory, so writes show exactly as before. The cost: the caller's CUDA block stays referenced
+    until this worker's next chunk, so the caller cannot free it before then (a worker killed by SIGKILL never
+    gives it back, as with any chunk it dies in).
+    """
+
+    __slots__ = ("_kept",)
+
+    def __init__(self) -> None:
+        self._kept: list[Any] = []
+
+    def load(self, blob: bytes) -> Any:
+        """Load a chunk's arguments, then drop the previous chunk's storages and keep this chunk's.
+
+        Args:
+            blob: The arguments payload (share mode).
+
+        Returns:
+            The loaded arguments.
+        """
+        opened: list[Any] = []
+        try:
+            return _serial.loads(blob, opened_cuda=opened)
+        finally:
+            # Only now: the load above reused the handles of the storages it finds still held here.
+            self._kept = opened
+
+    def release(self) -> None:
+        """Drop the kept storages (the worker takes no more chunks)."""
+        self._kept = []
+
+
 class _Task:
     """One chunk read from the task pipe; calling it runs the chunk and returns the reply (never raises)."""
 
-    __slots__ = ("args_blob", "cache", "chunk", "copy_tensor", "job", "mode")
+    __slots__ = ("args_blob", "cache", "chunk", "copy_tensor", "job", "last_args", "mode")
 
     def __init__(
-        self, header: tuple[Any, ...], blob: bytes | None, cache: dict[int, Any], copy: bool
+        self,
+        header: tuple[Any, ...],
+        blob: bytes | None,
+        cache: dict[int, Any],
+        copy: bool,
+        last_args: _LastArguments | None = None,
     ) -> None:
         self.job, self.chunk, self.mode = header[0], header[1], header[2]
         self.args_blob = blob
         self.cache = cache
         self.copy_tensor = copy
+        self.last_args = last_args
 
     def release(self) -> None:
         """Give back the share handles of the arguments when the chunk will not run (retirement)."""
@@ -127,7 +181,10 @@ class _Task:
             if isinstance(func, _LoadFailure):
                 raise func.exc
             assert self.args_blob is not None
-            items = _serial.loads(self.args_blob)
+            if self.last_args is None:
+                items = _serial.loads(self.args_blob)
+            else:
+                items = self.last_args.load(self.args_blob)
             self.args_blob = None
             if self.mode == MODE_APPLY:
                 args, kwds = items[0]
@@ -185,12 +242,15 @@ class _Readable:
 class TaskGetter:
     """``get()`` of the worker loop: the next task, or ``None`` when the parent asks the worker to exit.
 
-    It also exits the process when the parent process is gone (a backstop for ``PR_SET_PDEATHSIG``).
+    It also exits the process when the parent process is gone (a backstop for ``PR_SET_PDEATHSIG``). In share
+    mode its tasks load their arguments through one :class:`_LastArguments`, released by :meth:`release` and
+    when the parent asks the worker to exit.
     """
 
     def __init__(self, conn: Connection, copy_tensor: bool) -> None:
         self._conn = conn
         self._copy = copy_tensor
+        self._last_args = None if copy_tensor else _LastArguments()
         self._funcs: dict[int, Any] = {}
         self._by_blob: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
         parent = multiprocessing.parent_process()
@@ -219,6 +279,7 @@ class TaskGetter:
         except EOFError:
             os._exit(1)
         if msg is None:
+            self.release()
             return None
         header, blob, fds = msg
         close_fds(fds)  # the parent never passes fds to a worker
@@ -234,7 +295,12 @@ class TaskGetter:
                 self._funcs[job] = _LoadFailure(exc)
         elif job not in self._funcs:
             self._funcs[job] = _LoadFailure(RuntimeError(f"function of job {job} never reached this worker"))
-        return _Task(header, blob, self._funcs, self._copy)
+        return _Task(header, blob, self._funcs, self._copy, self._last_args)
+
+    def release(self) -> None:
+        """Drop the CUDA storages kept from the last task's arguments (see :class:`_LastArguments`)."""
+        if self._last_args is not None:
+            self._last_args.release()
 
 
 class ResultPutter:
@@ -392,10 +458,13 @@ def worker_main(
     if has_ctx:
         CtxPoolStorage.storage = ctx
     terminated = False
+    get = TaskGetter(task_conn, copy_tensor)
     try:
-        worker_fn(TaskGetter(task_conn, copy_tensor), put, initializer, tuple(initargs), maxtasks)
+        worker_fn(get, put, initializer, tuple(initargs), maxtasks)
     except _Terminated:
         terminated = True
+    finally:
+        get.release()  # give the callers' CUDA blocks back before exiting (also after SIGTERM or a failure)
     _serial.collect_cuda_ipc()  # results this worker shared that the pool has let go of
     if terminated:  # outside the except block: its traceback (and the frames' tensors) are gone by now
         _die_of_sigterm()
