@@ -331,6 +331,80 @@ def test_the_store_keeps_a_bounded_window_of_attempts(monkeypatch: pytest.Monkey
     assert long - short < 20, (short, long)
 
 
+class _RecordingStore:
+    """A store client that records which thread made each request; ``fail`` makes ``delete_key`` time out."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.keys: dict[str, bytes] = {}
+        self.threads: list[str] = []
+        self.fail = fail
+
+    def check(self, keys: list[str]) -> bool:
+        self.threads.append(threading.current_thread().name)
+        return all(k in self.keys for k in keys)
+
+    def get(self, key: str) -> bytes:
+        self.threads.append(threading.current_thread().name)
+        return self.keys[key]
+
+    def delete_key(self, key: str) -> bool:
+        self.threads.append(threading.current_thread().name)
+        if self.fail:
+            raise TimeoutError("stand-in: no answer to delete_key")
+        return self.keys.pop(key, None) is not None
+
+
+def test_the_forgetter_deletes_on_its_own_thread_and_close_waits_for_it() -> None:
+    from pc_distributed.parallel.elastic import _quorum
+
+    store = _RecordingStore()
+    for a in (3, 4):
+        quorum = _quorum.Quorum(a, ("a", "b"), a, "a", (), a)
+        store.keys.update({f"q/{a}": quorum.to_json().encode(), f"decide/{a}": b"commit"})
+        store.keys.update({f"{kind}/{a}/{n}": b"1" for kind in ("ready", "done") for n in "ab"})
+    forgetter = _quorum.Forgetter(store)  # type: ignore[arg-type]
+    forgetter.forget(3, ["a", "b"])
+    forgetter.forget(4, ["a", "b"])
+    forgetter.close(30.0)
+    assert store.keys == {}
+    assert set(store.threads) == {"pc-elastic-forget"}
+
+
+def test_the_forgetter_stops_at_a_failure_and_close_does_not_wait(caplog: pytest.LogCaptureFixture) -> None:
+    from pc_distributed.parallel.elastic import _quorum
+
+    store = _RecordingStore(fail=True)
+    store.keys.update({"ready/1/a": b"0", "ready/2/a": b"0"})
+    forgetter = _quorum.Forgetter(store)  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger=_quorum.__name__):
+        forgetter.forget(1, ["a"])
+        forgetter.forget(2, ["a"])
+        forgetter.close(30.0)
+    assert store.threads.count("pc-elastic-forget") == 2  # attempt 1's check, then its first delete
+    assert "stopped forgetting old attempts at attempt 1" in caplog.text
+    assert "ready/2/a" in store.keys
+
+
+def test_a_source_s_training_loop_deletes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source of each commit hands the old attempts to the forgetter: its loop makes no delete request."""
+    from pc_distributed._store import BoundedStore
+    from pc_distributed.parallel.elastic import _quorum
+
+    monkeypatch.setattr(_quorum, "RETAIN", 2)
+    deletes: list[str] = []
+    real = BoundedStore.delete_key
+
+    def recording(self: BoundedStore, key: str) -> bool:
+        deletes.append(threading.current_thread().name)
+        return real(self, key)
+
+    monkeypatch.setattr(BoundedStore, "delete_key", recording)
+    store = dist.HashStore()
+    run_threads(lambda n: _member(store, n, 10, initial_members=2), ["a", "b"])
+    assert deletes  # the window was kept
+    assert set(deletes) == {"pc-elastic-forget"}
+
+
 def test_a_member_whose_attempt_was_forgotten_enters_where_the_others_are(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -352,7 +426,7 @@ def test_a_member_whose_attempt_was_forgotten_enters_where_the_others_are(
         quorum = _quorum.form_quorum(stores, membership, 7, 4, rules)
         assert quorum.members == ("late",)
         assert quorum.attempt == 7
-        _quorum.forget(stores, 7, ["late"])
+        _quorum.forget(stores.store, 7, ["late"])
         assert not stores.store.check(["q/7"])
         assert not stores.store.check(["ready/7/late"])
     finally:

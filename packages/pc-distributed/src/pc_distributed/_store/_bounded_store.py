@@ -25,7 +25,7 @@ __all__ = ["BoundedStore"]
 class BoundedStore:
     """A store client whose every request raises ``TimeoutError`` instead of blocking past a deadline.
 
-    Requests run in order on one daemon worker thread. ``set``, ``get``, ``add``, ``check``,
+    Requests run in order on one daemon worker thread. ``set``, ``get``, ``multi_get``, ``add``, ``check``,
     ``compare_set`` and ``delete_key`` get ``timeout`` seconds; ``wait`` gets its own timeout plus
     :data:`WAIT_GRACE`. A request that times out keeps the worker until the server answers or the connection
     fails; the requests queued behind it time out in turn, and those whose callers gave up are dropped unsent.
@@ -94,6 +94,10 @@ class BoundedStore:
     def get(self, key: str) -> bytes:
         """Torch's ``get``, bounded."""
         return bytes(self._call("get", self._timeout, key))
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """Torch's ``multi_get`` (every key's value in one request), bounded."""
+        return [bytes(v) for v in self._call("multi_get", self._timeout, list(keys))]
 
     def add(self, key: str, amount: int) -> int:
         """Torch's ``add``, bounded."""

@@ -12,7 +12,8 @@ __all__ = ["claim", "lookup", "release"]
 
 
 # compare_set on a missing key with a non-empty expected value returns that value unchanged and sets nothing,
-# so comparing against a value no owner can have is an atomic one-round-trip look-up.
+# so comparing against a value no owner can have is an atomic one-round-trip look-up. Only for keys nobody
+# waits on: torch's libuv TCPStore server wakes the waiters of the missing key as if it had been set.
 _ABSENT = "\x00absent"
 
 
@@ -22,7 +23,7 @@ def claim(store: Store, key: str, owner: str) -> str:
 
 
 def lookup(store: Store, key: str) -> str | None:
-    """Return the owner recorded under ``key``, or None (one atomic round trip)."""
+    """Return the value recorded under ``key``, or None (one atomic round trip; a key nobody waits on)."""
     value = _text(store.compare_set(key, _ABSENT, _ABSENT))
     return None if value == _ABSENT else value
 

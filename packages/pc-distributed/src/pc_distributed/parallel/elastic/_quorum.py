@@ -24,21 +24,25 @@ seeing them all it proposes "commit"; a member whose all-reduce failed, or that 
 member applies the step iff it reads "commit". A commit thus needs every member to have finished the
 reduction, so every member that applies the step applies the same average.
 
-Retention: when attempt ``a`` commits, its source deletes the keys of attempt ``a - RETAIN``
-(:func:`forget`), so the store holds a bounded window of attempts however long the job runs. A member
-stopped or cut off for longer than that (its attempt's quorum gone, ``latest`` at least ``RETAIN`` ahead)
-finds out the first time its fast path misses and raises :class:`StaleAttempt`: it then enters at the
-current boundary as a member that is behind and receives the state, and never proposes a quorum of its own
-for an attempt the others decided long ago.
+Retention: when attempt ``a`` commits, its source deletes the keys of attempt ``a - RETAIN`` (:func:`forget`,
+on a thread of its own: :class:`Forgetter`), so the store holds a bounded window of attempts however long the
+job runs. A member stopped or cut off for longer than that (its attempt's quorum gone, ``latest`` at least
+``RETAIN`` ahead) finds out the first time its fast path misses and raises :class:`StaleAttempt`: it then
+enters at the current boundary as a member that is behind and receives the state, and never proposes a
+quorum of its own for an attempt the others decided long ago.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pc_distributed import _store
 from pc_distributed._store import BoundedStore
 from pc_distributed._torch_errors import is_connection_loss
 from pc_distributed.parallel.elastic._connect import ElasticStores
@@ -46,6 +50,7 @@ from pc_distributed.parallel.elastic._membership import Membership
 
 __all__ = [
     "RETAIN",
+    "Forgetter",
     "Quorum",
     "QuorumRules",
     "StaleAttempt",
@@ -54,6 +59,8 @@ __all__ = [
     "form_quorum",
     "start_attempt",
 ]
+
+logger = logging.getLogger(__name__)
 
 _PAST_EXPIRY = 0.01
 """Seconds a wait outlasts the moment a silent member turns dead (so that it is dead when the wait ends)."""
@@ -130,11 +137,20 @@ class QuorumRules:
     period: float
 
 
+def _latest(store: BoundedStore) -> int | None:
+    """The ``latest`` key's attempt, or None if it is not set, in one request (``lookup``'s compare_set).
+
+    Only for keys nobody waits on: torch's libuv TCPStore server wakes the waiters of a key that such a
+    look-up finds missing, as if it had been set.
+    """
+    value = _store.lookup(store, "latest")
+    return None if value is None else int(value)
+
+
 def start_attempt(stores: ElasticStores) -> int:
     """The attempt a new member enters at: the one after the last decided quorum."""
-    if not stores.store.check(["latest"]):
-        return 0
-    return int(stores.store.get("latest").decode()) + 1
+    latest = _latest(stores.store)
+    return 0 if latest is None else latest + 1
 
 
 def _wait_slice(stores: ElasticStores, keys: Sequence[str], seconds: float) -> bool:
@@ -236,11 +252,15 @@ def form_quorum(
             wait = min(period, membership.until_expiry(live) + _PAST_EXPIRY, deadline - time.monotonic())
             if _wait_slice(stores, [key], wait):
                 return Quorum.from_json(store.get(key))
-        if store.check([key]):
+        if store.check([key]):  # not a one-request look-up: the others may be waiting for this key
             return Quorum.from_json(store.get(key))
         if _forgotten(store, attempt):
             raise StaleAttempt(f"attempt {attempt} of elastic member {me!r} was decided and forgotten")
-        ready = {n: int(store.get(k).decode()) for n, k in ready_keys.items() if everyone or store.check([k])}
+        if everyone:  # every key is there: one request for all the values
+            values = store.multi_get(list(ready_keys.values()))
+            ready = {n: int(v.decode()) for n, v in zip(ready_keys, values, strict=True)}
+        else:
+            ready = {n: int(store.get(k).decode()) for n, k in ready_keys.items() if store.check([k])}
         missing = [n for n in live if n not in ready]
         late = time.monotonic() >= deadline
         fresh = all(v < 0 for v in ready.values())
@@ -274,20 +294,20 @@ def _forgotten(store: BoundedStore, attempt: int) -> bool:
     Keys are deleted only when an attempt ``RETAIN`` later commits, after its quorum set ``latest``, and a
     forgotten attempt's quorum key is gone: so an attempt that passes this test is never proposed again.
     """
-    return store.check(["latest"]) and int(store.get("latest").decode()) >= attempt + RETAIN
+    latest = _latest(store)
+    return latest is not None and latest >= attempt + RETAIN
 
 
-def forget(stores: ElasticStores, attempt: int, names: Sequence[str]) -> None:
+def forget(store: BoundedStore, attempt: int, names: Sequence[str]) -> None:
     """Delete the keys of ``attempt`` (called by the source of the attempt ``RETAIN`` later, once committed).
 
     Args:
-        stores: The member's store connections.
+        store: A client of the job's keys.
         attempt: The attempt to forget (nothing happens below 0).
         names: Every member that may have written a ready key (the registry).
     """
     if attempt < 0:
         return
-    store = stores.store
     quorum = f"q/{attempt}"
     members = Quorum.from_json(store.get(quorum)).members if store.check([quorum]) else ()
     keys = [f"ready/{attempt}/{n}" for n in dict.fromkeys(names)]
@@ -295,6 +315,44 @@ def forget(stores: ElasticStores, attempt: int, names: Sequence[str]) -> None:
     keys += [f"decide/{attempt}", quorum]  # the quorum last: while it is there, the attempt is not forgotten
     for k in keys:
         store.delete_key(k)
+
+
+class Forgetter:
+    """Deletes old attempts' keys on a thread of its own, off the training loop's path.
+
+    Forgetting an attempt takes a request per key (two per member, plus two), which the source of a commit
+    would otherwise make before its next step boundary, delaying every member's next step. Best effort: a
+    failed request is logged and the thread stops (the keys it did not delete stay, as those of an attempt
+    aborted while the source changed hands do).
+
+    Args:
+        store: A client of the job's keys for this thread alone (a request stuck on a silent store must not
+            hold up the training loop's).
+    """
+
+    def __init__(self, store: BoundedStore) -> None:
+        self._store = store
+        self._queue: queue.SimpleQueue[tuple[int, tuple[str, ...]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pc-elastic-forget", daemon=True)
+        self._thread.start()
+
+    def forget(self, attempt: int, names: Sequence[str]) -> None:
+        """Hand over ``attempt`` to forget (see :func:`forget`); returns at once."""
+        self._queue.put((attempt, tuple(names)))
+
+    def close(self, timeout: float) -> None:
+        """Finish what was handed over, then stop; wait at most ``timeout`` seconds for it."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            attempt, names = item
+            try:
+                forget(self._store, attempt, names)
+            except (TimeoutError, ConnectionError, RuntimeError) as exc:
+                logger.warning("elastic: stopped forgetting old attempts at attempt %d: %r", attempt, exc)
+                return
 
 
 def decide(
