@@ -14,6 +14,8 @@ Measured side by side in one run (medians; ratios against the baseline row of ea
    ReplicationCallbackDataParallel does), and starting + joining as many threads;
 4. the non-parallel and eval paths against ``nn.BatchNorm2d`` (CPU time of the calling thread);
 5. bytes saved for backward, relative to the input's size;
+   (also) one layer's exchange round on 2 and 4 replica threads against a bare hand-off of the same messages
+   and a ``threading.Barrier`` exchange (``exchange_round.py``);
 6. the launch budget (``op_count.py``): the ops one synchronized layer issues per replica per training step,
    on the composite CPU path and on the CUDA path's fused kernels (their pure-torch stand-ins, each kernel
    call one op), beside plain ``nn.BatchNorm2d`` on the same replicas.
@@ -43,6 +45,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benchmarks"))
 from benchlib import Report, bench_args, interleaved_min, median_time
+from exchange_round import BASELINE as EXCHANGE_BASELINE
+from exchange_round import exchange_round_us
 from op_count import count_layer_ops
 
 from pc_replicate import ReplicationCallbackDataParallel
@@ -245,6 +249,35 @@ def _measure_fixed_costs(report: Report, repeat: int, stack: contextlib.ExitStac
     )
 
 
+EXCHANGE_TARGET = 1.3  # the previous SyncMaster (per-slave Condition slots) measured 1.4x at 4 replicas
+
+
+def _exchange_rounds(report: Report, rounds: int, repeat: int) -> None:
+    """One layer's exchange round on 2 and 4 replica threads, beside a bare hand-off of the same messages."""
+    for n in (2, 4):
+        us, ratios = exchange_round_us(n, rounds, repeat)
+        case = f"exchange round per layer, {n} replicas"
+        for name, value in us.items():
+            report.row(case, name, value, "us", baseline=name == EXCHANGE_BASELINE)
+        ratio = ratios["pc_sync.SyncMaster"]
+        report.target(
+            f"(exchange) SyncMaster round / bare hand-off, {n} replicas",
+            ratio,
+            "<=",
+            EXCHANGE_TARGET,
+            note=""
+            if ratio <= EXCHANGE_TARGET
+            else "the round's checks (ids, replies, timeouts, abort) cost more than the hand-off they guard; "
+            "profile with python packages/pc-sync/benchmarks/exchange_round.py",
+        )
+    report.note(
+        "exchange round per layer: the messages of a tiny SyncBN layer, one shared reply, no arithmetic; "
+        "wall medians of interleaved repeats; the target is the median of the per-repeat ratios to the bare "
+        "hand-off (a queue in, one lock per replica out, nothing checked: the floor of a master/slave "
+        "exchange on Python threads), which the thread wake-ups dominate"
+    )
+
+
 def _launch_budget(report: Report) -> None:
     """Ops per replica per training step of one layer (see ``op_count.py``): a count, not a timing."""
     per_replica: dict[int, dict[str, float]] = {}
@@ -311,6 +344,7 @@ def main() -> None:
     report.target("(issue) one round, 4 participants", latencies[4] * 1e6, "<=", 100.0, "us")
     report.target("(design) one round, 4 participants", latencies[4] * 1e6, "<=", 50.0, "us")
     report.target("(design) one round, 8 participants", latencies[8] * 1e6, "<=", 100.0, "us")
+    _exchange_rounds(report, rounds, repeat=5 if args.quick else 15)
 
     shapes = [(16, 32, 14, 14)] if args.quick else [(32, 64, 28, 28), (64, 256, 14, 14)]
     bn_repeat = 5 if args.quick else 20

@@ -166,6 +166,7 @@ def _start_slaves(master: SyncMaster, ids: list[int], timeout: float = JOIN) -> 
         (lambda msgs: [(0, 0), (1, 1), (1, 1), (2, 2)], "repeated slave id 1"),
         (lambda msgs: [(0, 0), (1, 1), (7, 2)], "unregistered slave id 7"),
         (lambda msgs: 42, "sequence of \\(identifier, reply\\) pairs"),
+        (lambda msgs: [(0, 0), (1, 1), ([2], 2)], r"unregistered slave id \[2\]"),
     ],
 )
 def test_malformed_replies_raise_and_wake_slaves(callback: Any, match: str) -> None:
@@ -212,6 +213,20 @@ def test_unknown_or_repeated_sender_is_a_protocol_error() -> None:
     pipe.queue.put((1, 0))
     with pytest.raises(SyncError, match="repeated slave id 1"):
         master.run_master(0, timeout=JOIN)
+
+
+def test_malformed_queue_items_are_a_protocol_error_on_every_participant() -> None:
+    # Only run_slave's own (id, msg) pairs are messages: anything else aborts the round for everybody.
+    for bad in [(1, "msg", "extra"), ([1], "msg"), None]:
+        master = SyncMaster(_sum_and_route)
+        runner = _start_slaves(master, [2])
+        master.register_slave(1)  # registered, never sends: only the bad item stands in for it
+        master._queue.put(bad)
+        with pytest.raises(SyncError, match="unregistered slave id") as info:
+            master.run_master(0, timeout=JOIN)
+        runner.join(5.0)
+        assert isinstance(runner.errors[2], SyncAbortedError)
+        assert runner.errors[2].__cause__ is info.value
 
 
 def test_master_timeout_names_missing_slaves_and_aborts_the_others() -> None:
@@ -319,3 +334,77 @@ def test_deepcopy_rebinds_bound_callback_to_the_copy() -> None:
 def test_queue_type_is_a_simple_queue() -> None:
     pipe = SyncMaster(_sum_and_route).register_slave(1)
     assert isinstance(pipe.queue, queue.SimpleQueue)
+
+
+# ------------------------------------------------------------------------------------- reuse across rounds
+
+
+def test_many_rounds_with_varying_slave_counts() -> None:
+    # Registering after a round (one without slaves included) starts a fresh registry: every round must wait
+    # for exactly the slaves registered for it, route by id and hand the callback a list of its own.
+    seen: list[list[tuple[Hashable, Any]]] = []
+
+    def callback(msgs: list[tuple[Hashable, Any]]) -> list[tuple[Hashable, Any]]:
+        seen.append(msgs)  # kept: a later round must not change what an earlier one was given
+        return _sum_and_route(msgs)
+
+    master = SyncMaster(callback)
+    assert master.run_master(5, timeout=1.0) == (0, 5)  # a round without slaves first
+    rounds = 30
+    for count in (3, 1, 4, 2, 7, 1, 2):
+        ids = [10 * count + k for k in range(1, count + 1)]
+        pipes = [master.register_slave(i) for i in ids]
+        assert master.nr_slaves == count
+
+        def slave(pipe: SlavePipe) -> list[Any]:
+            return [pipe.run_slave(r, timeout=JOIN) for r in range(rounds)]
+
+        runner = Runner()
+        for p in pipes:
+            runner.start(p.identifier, lambda p=p: slave(p))
+        start = len(seen)
+        for r in range(rounds):
+            assert master.run_master(1000 + r, timeout=JOIN) == (0, 1000 + r + r * count)
+        runner.join()
+        assert not runner.errors
+        assert runner.results == {i: [(i, 1000 + r + r * count) for r in range(rounds)] for i in ids}
+        for r, msgs in enumerate(seen[start:]):
+            assert msgs == [(0, 1000 + r)] + [(i, r) for i in ids]
+    assert len({id(msgs) for msgs in seen}) == len(seen)
+
+
+def test_timeout_names_the_slave_that_skipped_a_round_after_many() -> None:
+    master = SyncMaster(_sum_and_route)
+    pipes = {i: master.register_slave(i) for i in (1, 2, 3)}
+    rounds = 20
+
+    def slave(i: int) -> int:
+        done = 0
+        for r in range(rounds if i != 2 else rounds - 1):  # slave 2 calls the module once less
+            pipes[i].run_slave(r, timeout=JOIN)
+            done += 1
+        return done
+
+    runner = Runner()
+    for i in pipes:
+        runner.start(i, lambda i=i: slave(i))
+    for r in range(rounds - 1):
+        master.run_master(r, timeout=JOIN)
+    with pytest.raises(SyncTimeoutError, match=r"slaves \[2\]") as info:
+        master.run_master(rounds - 1, timeout=0.5)
+    assert info.value.missing == (2,)
+    runner.join(5.0)
+    assert runner.results == {2: rounds - 1}
+    assert set(runner.errors) == {1, 3}
+    assert all(isinstance(e, SyncAbortedError) and e.__cause__ is info.value for e in runner.errors.values())
+
+
+def test_timeouts_beyond_what_a_wait_accepts_still_wait() -> None:
+    # threading.TIMEOUT_MAX is about 9.2e9 s: a longer finite timeout waits that long instead of overflowing
+    master = SyncMaster(_sum_and_route)
+    pipe = master.register_slave(1)
+    runner = Runner()
+    runner.start(1, lambda: pipe.run_slave(2, timeout=1e12))
+    assert master.run_master(1, timeout=1e12) == (0, 3)
+    runner.join()
+    assert runner.results == {1: (1, 3)}

@@ -13,6 +13,14 @@ No acknowledgement travels back on the shared queue: a slave posts round ``r + 1
 reply to round ``r``, and the master answers nobody before it holds all of round ``r``, so every collection
 sees exactly its own round and every ``put`` finds an empty slot.
 
+**Cost of a round.** A round is one hand-off each way per slave: the master wakes at most once per slave
+message (fewer when messages are already queued), and each slave wakes once, on its reply. Every wait is a
+single C-level blocking call with a timeout (``SimpleQueue.get`` for the master, a lock acquire for a slave's
+:class:`FutureResult`), so a waiting thread allocates nothing and re-checks nothing when it wakes. What the
+round checks it checks once per round: the senders' ids against a table made at registration (one look-up
+per message), and the callback's replies before any of them is delivered, so that a malformed reply set
+aborts every participant instead of answering some of them.
+
 Every wait has a timeout. :meth:`SyncMaster.abort` wakes the master and every slave at once; after it, every
 wait raises :class:`~pc_sync.errors.SyncAbortedError` chained to the original error.
 """
@@ -39,6 +47,9 @@ _EQUAL_CALLS_RULE = (
     "every replica must call each synchronized module equally often in one forward "
     "(the same control flow on every replica)"
 )
+_INF = math.inf
+# A lock's acquire takes no timeout above this; a longer (finite) timeout waits this long instead.
+_WAIT_MAX = threading.TIMEOUT_MAX
 
 
 class _Abort:
@@ -46,6 +57,7 @@ class _Abort:
 
 
 _ABORT = _Abort()
+_NO_REPLY = object()  # marks a slave without a reply while the master checks the callback's replies
 
 
 def check_timeout(timeout: float | None) -> float:
@@ -61,6 +73,8 @@ def check_timeout(timeout: float | None) -> float:
         TypeError: If ``timeout`` is not a real number.
         ValueError: If ``timeout`` is not positive and finite.
     """
+    if timeout.__class__ is float and 0.0 < timeout < _INF:  # the common case, decided at once
+        return timeout
     if timeout is None:
         return DEFAULT_SYNC_TIMEOUT
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -76,6 +90,9 @@ class FutureResult:
     ``None`` is an ordinary value. After :meth:`set_exception` the slot is closed for good: every ``get``
     raises :class:`~pc_sync.errors.SyncAbortedError` chained to that exception.
 
+    A waiting ``get`` blocks on one lock that is held exactly while the slot has neither a value nor an error,
+    so only a ``put`` or a ``set_exception`` can release it, and a released waiter never needs to wait again.
+
     Examples:
         >>> slot = FutureResult()
         >>> slot.put(None)
@@ -84,7 +101,11 @@ class FutureResult:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._mutex = threading.Lock()  # guards the fields below
+        # Held while there is nothing to take: released by put/set_exception, taken back by the get that
+        # takes the value. A get that finds an error releases it again, so every later get raises at once.
+        self._ready = threading.Lock()
+        self._ready.acquire()
         self._has_value = False
         self._value: Any = None
         self._error: BaseException | None = None
@@ -100,14 +121,14 @@ class FutureResult:
         Raises:
             SyncError: If the slot already holds a value that nobody fetched.
         """
-        with self._cond:
+        with self._mutex:
             if self._error is not None:
                 return
             if self._has_value:
                 raise SyncError("FutureResult.put into a full slot: the previous value was never fetched")
             self._value = result
             self._has_value = True
-            self._cond.notify_all()
+            self._ready.release()
 
     def set_exception(self, exc: BaseException) -> None:
         """Close the slot: wake the waiting ``get`` and make every later ``get`` raise.
@@ -115,10 +136,12 @@ class FutureResult:
         Args:
             exc: The original error; it becomes the ``__cause__`` of the raised ``SyncAbortedError``.
         """
-        with self._cond:
-            if self._error is None:
-                self._error = exc
-            self._cond.notify_all()
+        with self._mutex:
+            if self._error is not None:
+                return
+            self._error = exc
+            if not self._has_value:  # with a value in, the lock is already released (or taken by a get)
+                self._ready.release()
 
     def get(self, timeout: float | None = None) -> Any:
         """Wait for the value, return it and empty the slot.
@@ -133,16 +156,17 @@ class FutureResult:
             SyncTimeoutError: If no value arrived in time.
             SyncAbortedError: If the slot was closed by :meth:`set_exception`.
         """
-        limit = check_timeout(timeout)
-        deadline = time.monotonic() + limit
-        with self._cond:
-            while not self._has_value and self._error is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise SyncTimeoutError(f"FutureResult.get: no value within {limit:g} s")
-                self._cond.wait(remaining)
-            if self._error is not None:
-                raise SyncAbortedError(f"synchronisation aborted: {self._error!r}") from self._error
+        return self._take(check_timeout(timeout))
+
+    def _take(self, limit: float) -> Any:
+        """:meth:`get` with a timeout already checked."""
+        if not self._ready.acquire(True, limit if limit < _WAIT_MAX else _WAIT_MAX):
+            raise SyncTimeoutError(f"FutureResult.get: no value within {limit:g} s")
+        with self._mutex:
+            error = self._error
+            if error is not None:
+                self._ready.release()
+                raise SyncAbortedError(f"synchronisation aborted: {error!r}") from error
             value = self._value
             self._value = None
             self._has_value = False
@@ -182,13 +206,31 @@ class SlavePipe(_SlavePipeBase):
         limit = check_timeout(timeout)
         self.queue.put((self.identifier, msg))
         try:
-            return self.result.get(limit)
+            return self.result._take(limit)
         except SyncTimeoutError:
             raise SyncTimeoutError(
                 f"slave {self.identifier!r} got no reply from the master (id 0) within {limit:g} s; "
                 f"{_EQUAL_CALLS_RULE}",
                 missing=(0,),
             ) from None
+
+
+class _Roster:
+    """The registry as a round reads it: made once per registration, read-only while rounds run.
+
+    Attributes:
+        position: Each slave id's place in the callback's list (registration order, from 1: the master is 0).
+        results: Each slave's reply slot, in registration order.
+    """
+
+    __slots__ = ("position", "results")
+
+    def __init__(self, registry: dict[Hashable, SlavePipe]) -> None:
+        self.position: dict[Hashable, int] = {ident: k for k, ident in enumerate(registry, 1)}
+        self.results: tuple[FutureResult, ...] = tuple(pipe.result for pipe in registry.values())
+
+
+_EMPTY_ROSTER = _Roster({})
 
 
 class SyncMaster:
@@ -225,6 +267,7 @@ class SyncMaster:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._registry: dict[Hashable, SlavePipe] = {}
+        self._roster: _Roster | None = _EMPTY_ROSTER  # None: to be made from the registry
         self._activated = False
         self._abort_exc: BaseException | None = None
 
@@ -272,10 +315,12 @@ class SyncMaster:
                 raise ValueError(f"slave identifier {identifier!r} is already registered")
             pipe = SlavePipe(identifier, self._queue, FutureResult())
             self._registry[identifier] = pipe
+            self._roster = None
             return pipe
 
     def _reset_locked(self) -> None:
         self._registry = {}
+        self._roster = _EMPTY_ROSTER
         self._queue = queue.SimpleQueue()
         self._activated = False
         self._abort_exc = None
@@ -328,30 +373,36 @@ class SyncMaster:
         deadline = time.monotonic() + limit
         with self._lock:
             self._activated = True
-            registry = self._registry
+            roster = self._roster
+            if roster is None:
+                roster = self._roster = _Roster(self._registry)
             q = self._queue
         self._raise_if_aborted()
-        received = self._collect(q, registry, deadline, limit)
-        intermediates: list[tuple[Hashable, Any]] = [(0, master_msg)]
-        intermediates.extend((ident, received[ident]) for ident in registry)
+        intermediates = self._collect(q, roster, (0, master_msg), deadline, limit)
         try:
-            own_reply, replies = self._check_replies(self._master_callback(intermediates), registry)
+            own_reply, replies = self._check_replies(self._master_callback(intermediates), roster)
         except BaseException as exc:
             self.abort(exc)
             raise
-        for ident, reply in replies.items():
-            registry[ident].result.put(reply)
+        for slot, reply in zip(roster.results, replies, strict=True):
+            slot.put(reply)
         return own_reply
 
     def _collect(
-        self, q: queue.SimpleQueue[Any], registry: dict[Hashable, SlavePipe], deadline: float, limit: float
-    ) -> dict[Hashable, Any]:
-        received: dict[Hashable, Any] = {}
-        while len(received) < len(registry):
+        self, q: queue.SimpleQueue[Any], roster: _Roster, own: tuple[int, Any], deadline: float, limit: float
+    ) -> list[tuple[Hashable, Any]]:
+        """The callback's list: ``own``, then each slave's ``(id, msg)`` as it was queued, in roster order."""
+        position = roster.position
+        expected = len(position)
+        items: list[Any] = [None] * (expected + 1)
+        items[0] = own
+        received = 0
+        while received < expected:
+            remaining = deadline - time.monotonic()
             try:
-                item = q.get(timeout=max(0.0, deadline - time.monotonic()))
+                item = q.get(True, 0.0 if remaining < 0.0 else min(remaining, _WAIT_MAX))
             except queue.Empty:
-                missing = [ident for ident in registry if ident not in received]
+                missing = [ident for ident, k in position.items() if items[k] is None]
                 err = SyncTimeoutError(
                     f"master (id 0) did not hear from slaves {missing!r} within {limit:g} s; "
                     f"{_EQUAL_CALLS_RULE}",
@@ -362,17 +413,25 @@ class SyncMaster:
             if item is _ABORT:
                 self._raise_if_aborted()
                 continue
-            ident, msg = item
-            if ident not in registry or ident in received:
-                what = "an unregistered" if ident not in registry else "a repeated"
-                err2 = SyncError(f"master received a message from {what} slave id {ident!r} in one round")
+            try:
+                ident, _ = item
+                k = position.get(ident, 0)
+            except (TypeError, ValueError):  # not an (id, msg) pair, or an unhashable id: nobody registered
+                ident, k = item, 0
+            if not k or items[k] is not None:
+                what = "an unregistered" if not k else "a repeated"
+                err2 = SyncError(
+                    f"master received a message from {what} slave id {ident!r:.200} in one round"
+                )
                 self.abort(err2)
                 raise err2
-            received[ident] = msg
-        return received
+            items[k] = item  # run_slave's own (id, msg) tuple
+            received += 1
+        return items
 
     @staticmethod
-    def _check_replies(results: Any, registry: dict[Hashable, SlavePipe]) -> tuple[Any, dict[Hashable, Any]]:
+    def _check_replies(results: Any, roster: _Roster) -> tuple[Any, list[Any]]:
+        """The master's reply and the slaves' (in roster order), once the whole reply set is known valid."""
         try:
             pairs = [(ident, reply) for ident, reply in results]
         except (TypeError, ValueError):
@@ -382,13 +441,18 @@ class SyncMaster:
         if not pairs or pairs[0][0] != 0:
             first = pairs[0][0] if pairs else None
             raise SyncError(f"master_callback's first reply must be for the master (id 0), got id {first!r}")
-        replies: dict[Hashable, Any] = {}
+        position = roster.position
+        replies: list[Any] = [_NO_REPLY] * len(position)
         for ident, reply in pairs[1:]:
-            if ident not in registry or ident in replies:
-                what = "an unregistered" if ident not in registry else "a repeated"
+            try:
+                k = position.get(ident, 0)
+            except TypeError:  # an unhashable id was never registered
+                k = 0
+            if not k or replies[k - 1] is not _NO_REPLY:
+                what = "an unregistered" if not k else "a repeated"
                 raise SyncError(f"master_callback returned a reply for {what} slave id {ident!r}")
-            replies[ident] = reply
-        if len(replies) != len(registry):
-            missing = [ident for ident in registry if ident not in replies]
+            replies[k - 1] = reply
+        if len(pairs) != len(position) + 1:
+            missing = [ident for ident, k in position.items() if replies[k - 1] is _NO_REPLY]
             raise SyncError(f"master_callback returned no reply for slave ids {missing!r}")
         return pairs[0][1], replies
