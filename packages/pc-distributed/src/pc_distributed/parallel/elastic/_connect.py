@@ -5,10 +5,9 @@ must be served by a process that outlives every worker: torchrun's agent or ``ru
 served by a rank (rank 0 of a World started without an agent) would take the whole job with it when that rank
 dies, which is exactly the failure the trainer exists to survive, so it is refused.
 
-A member keeps five kinds of connection (one per role, as the World does): short requests of the training
-loop, short requests of the heartbeat thread (never queued behind the loop's), the deletion of old attempts'
-keys (off the loop's path), one connection per blocking wait (``WaitStores``), and one for the quorum groups'
-rendezvous. Stores other than ``TCPStore`` (a
+A member keeps four kinds of connection (one per role, as the World does): short requests of the training
+loop, short requests of the heartbeat thread (never queued behind the loop's), one connection per blocking
+wait (``WaitStores``), and one for the quorum groups' rendezvous. Stores other than ``TCPStore`` (a
 ``HashStore`` or ``FileStore``) are shared by all of them.
 """
 
@@ -33,7 +32,6 @@ class ElasticStores:
     Attributes:
         store: Short requests of the training loop.
         beat: Short requests of the heartbeat thread.
-        tidy: Deleting old attempts' keys (``_quorum.Forgetter``).
         waits: Blocking waits, a connection each.
         raw: The unprefixed client the quorum groups' stores are made from.
         prefix: The job's key prefix (``pc_elastic/<job>``).
@@ -42,7 +40,6 @@ class ElasticStores:
 
     store: BoundedStore
     beat: BoundedStore
-    tidy: BoundedStore
     waits: WaitStores
     raw: Any
     prefix: str
@@ -56,7 +53,6 @@ class ElasticStores:
         """Close the clients (never blocks)."""
         self.store.close()
         self.beat.close()
-        self.tidy.close()
         self.waits.close()
 
 
@@ -113,11 +109,9 @@ def connect(store: Any, job: str, timeout: float) -> ElasticStores:
     label = f"the elastic store of job {job!r}"
     server = "the launcher serving it (torchrun's agent or run_world)"
     beat_client = _store.store_client(raw, timeout) or raw
-    tidy_client = _store.store_client(raw, timeout) or raw
     return ElasticStores(
         store=BoundedStore(_store.prefix_store(prefix, raw), timeout, label, server),
         beat=BoundedStore(_store.prefix_store(prefix, beat_client), timeout, label, server),
-        tidy=BoundedStore(_store.prefix_store(prefix, tidy_client), timeout, label, server),
         waits=WaitStores(raw, prefix, timeout),
         raw=raw,
         prefix=prefix,

@@ -24,20 +24,17 @@ seeing them all it proposes "commit"; a member whose all-reduce failed, or that 
 member applies the step iff it reads "commit". A commit thus needs every member to have finished the
 reduction, so every member that applies the step applies the same average.
 
-Retention: when attempt ``a`` commits, its source deletes the keys of attempt ``a - RETAIN`` (:func:`forget`,
-on a thread of its own: :class:`Forgetter`), so the store holds a bounded window of attempts however long the
-job runs. A member stopped or cut off for longer than that (its attempt's quorum gone, ``latest`` at least
-``RETAIN`` ahead) finds out the first time its fast path misses and raises :class:`StaleAttempt`: it then
-enters at the current boundary as a member that is behind and receives the state, and never proposes a
-quorum of its own for an attempt the others decided long ago.
+Retention: when attempt ``a`` commits, its source deletes the keys of attempt ``a - RETAIN`` (:func:`forget`),
+so the store holds a bounded window of attempts however long the job runs. A member stopped or cut off for
+longer than that (its attempt's quorum gone, ``latest`` at least ``RETAIN`` ahead) finds out the first time
+its fast path misses and raises :class:`StaleAttempt`: it then enters at the current boundary as a member
+that is behind and receives the state, and never proposes a quorum of its own for an attempt the others
+decided long ago.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import queue
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +47,6 @@ from pc_distributed.parallel.elastic._membership import Membership
 
 __all__ = [
     "RETAIN",
-    "Forgetter",
     "Quorum",
     "QuorumRules",
     "StaleAttempt",
@@ -59,8 +55,6 @@ __all__ = [
     "form_quorum",
     "start_attempt",
 ]
-
-logger = logging.getLogger(__name__)
 
 _PAST_EXPIRY = 0.01
 """Seconds a wait outlasts the moment a silent member turns dead (so that it is dead when the wait ends)."""
@@ -315,44 +309,6 @@ def forget(store: BoundedStore, attempt: int, names: Sequence[str]) -> None:
     keys += [f"decide/{attempt}", quorum]  # the quorum last: while it is there, the attempt is not forgotten
     for k in keys:
         store.delete_key(k)
-
-
-class Forgetter:
-    """Deletes old attempts' keys on a thread of its own, off the training loop's path.
-
-    Forgetting an attempt takes a request per key (two per member, plus two), which the source of a commit
-    would otherwise make before its next step boundary, delaying every member's next step. Best effort: a
-    failed request is logged and the thread stops (the keys it did not delete stay, as those of an attempt
-    aborted while the source changed hands do).
-
-    Args:
-        store: A client of the job's keys for this thread alone (a request stuck on a silent store must not
-            hold up the training loop's).
-    """
-
-    def __init__(self, store: BoundedStore) -> None:
-        self._store = store
-        self._queue: queue.SimpleQueue[tuple[int, tuple[str, ...]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="pc-elastic-forget", daemon=True)
-        self._thread.start()
-
-    def forget(self, attempt: int, names: Sequence[str]) -> None:
-        """Hand over ``attempt`` to forget (see :func:`forget`); returns at once."""
-        self._queue.put((attempt, tuple(names)))
-
-    def close(self, timeout: float) -> None:
-        """Finish what was handed over, then stop; wait at most ``timeout`` seconds for it."""
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            attempt, names = item
-            try:
-                forget(self._store, attempt, names)
-            except (TimeoutError, ConnectionError, RuntimeError) as exc:
-                logger.warning("elastic: stopped forgetting old attempts at attempt %d: %r", attempt, exc)
-                return
 
 
 def decide(

@@ -34,7 +34,6 @@ from pc_distributed.parallel.elastic._connect import connect
 from pc_distributed.parallel.elastic._engine import engine_for
 from pc_distributed.parallel.elastic._membership import Membership
 from pc_distributed.parallel.elastic._quorum import (
-    Forgetter,
     Quorum,
     QuorumRules,
     StaleAttempt,
@@ -215,7 +214,6 @@ class ElasticDataParallel:
             self._membership.stop()
             self._stores.close()
             raise
-        self._forgetter = Forgetter(self._stores.tidy)
         self._version = -1  # committed steps this replica holds; -1 until its first synchronisation
         self._enlisted = False
         self._group: Any = None
@@ -327,7 +325,7 @@ class ElasticDataParallel:
         start = attempt if self._forgotten is None else self._forgotten + 1
         names = self._membership.registered()
         for old in range(max(start, 0), attempt + 1):
-            self._forgetter.forget(old, names)  # deleted on the forgetter's thread, off the step's path
+            _quorum.forget(self._stores.store, old, names)
         self._forgotten = attempt
 
     def _reduce(
@@ -443,17 +441,12 @@ class ElasticDataParallel:
             p.grad = None
 
     def close(self) -> None:
-        """Leave the job: stop the heartbeat, tell the others at once, close the connections (idempotent).
-
-        Waits for the deletion of old attempts' keys this member started (as a commit's source), at most
-        ``store_timeout``.
-        """
+        """Leave the job: stop the heartbeat, tell the others at once, close the connections (idempotent)."""
         if self._closed:
             return
         self._closed = True
         self._drop_group()
         self._membership.leave(self._stores.store)
-        self._forgetter.close(self._stores.timeout)
         self._stores.close()
 
     def __enter__(self) -> ElasticDataParallel:
