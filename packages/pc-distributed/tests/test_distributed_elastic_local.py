@@ -352,7 +352,7 @@ def test_a_member_whose_attempt_was_forgotten_enters_where_the_others_are(
         quorum = _quorum.form_quorum(stores, membership, 7, 4, rules)
         assert quorum.members == ("late",)
         assert quorum.attempt == 7
-        _quorum.forget(stores.store, 7, ["late"])
+        _quorum.forget(stores, 7, ["late"])
         assert not stores.store.check(["q/7"])
         assert not stores.store.check(["ready/7/late"])
     finally:

@@ -292,16 +292,17 @@ def _forgotten(store: BoundedStore, attempt: int) -> bool:
     return latest is not None and latest >= attempt + RETAIN
 
 
-def forget(store: BoundedStore, attempt: int, names: Sequence[str]) -> None:
+def forget(stores: ElasticStores, attempt: int, names: Sequence[str]) -> None:
     """Delete the keys of ``attempt`` (called by the source of the attempt ``RETAIN`` later, once committed).
 
     Args:
-        store: A client of the job's keys.
+        stores: The member's store connections.
         attempt: The attempt to forget (nothing happens below 0).
         names: Every member that may have written a ready key (the registry).
     """
     if attempt < 0:
         return
+    store = stores.store
     quorum = f"q/{attempt}"
     members = Quorum.from_json(store.get(quorum)).members if store.check([quorum]) else ()
     keys = [f"ready/{attempt}/{n}" for n in dict.fromkeys(names)]

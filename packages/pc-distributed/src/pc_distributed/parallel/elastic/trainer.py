@@ -325,7 +325,7 @@ class ElasticDataParallel:
         start = attempt if self._forgotten is None else self._forgotten + 1
         names = self._membership.registered()
         for old in range(max(start, 0), attempt + 1):
-            _quorum.forget(self._stores.store, old, names)
+            _quorum.forget(self._stores, old, names)
         self._forgotten = attempt
 
     def _reduce(
