@@ -195,3 +195,34 @@ def test_world_holds_its_rpc_groups(observed: dict[str, Any]) -> None:
     gone, call = observed["after_destroy"]
     assert gone is None
     assert call == ("RuntimeError", "RpcGroup 'g' has been destroyed")
+
+
+def _collect_garbage(rank: int) -> int:
+    import gc
+
+    return gc.collect()  # would run an inherited group's destructor here if the parent had not
+
+
+def test_a_forked_rank_does_not_inherit_garbage_it_cannot_collect() -> None:
+    """A gloo group in a reference cycle, not yet collected when run_world forks: its destructor waits for
+    worker threads that only the parent has, so a rank that collected it would hang (run_world would time
+    out). run_world collects the caller's garbage before forking."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    gc.disable()  # the cycle below stays uncollected until run_world collects it
+    try:
+        group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+        group.allreduce([torch.ones(1)]).wait()  # its worker threads are up, waiting for work
+        cycle: list[Any] = [group]
+        cycle.append(cycle)
+        del cycle, group
+        results = pd.run_world(
+            _collect_garbage, 1, timeout=30, start_method="fork", init_rpc=False, init_dist=False
+        )
+    finally:
+        gc.enable()
+    assert len(results) == 1
+    assert isinstance(results[0], int)

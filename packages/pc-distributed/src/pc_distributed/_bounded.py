@@ -50,6 +50,8 @@ def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
     threading.Thread(target=run, name=f"pc-distributed-bounded: {what}", daemon=True).start()
     if not done.wait(timeout):
         raise TimeoutError(f"{what}: no answer within {timeout:g} s")
+    # Taken out of the box: the error's traceback holds run's frame, which holds the box (a reference cycle
+    # that would keep what fn's frames hold, a process group say, alive until the garbage collector runs).
     if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]  # type: ignore[return-value]
+        raise box.pop("error")  # type: ignore[misc]
+    return box.pop("value")  # type: ignore[return-value]

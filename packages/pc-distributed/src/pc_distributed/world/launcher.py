@@ -15,6 +15,7 @@ naming the rank, with the remote traceback as ``__cause__``. At the deadline eve
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -250,6 +251,12 @@ def run_world(
     deadline = start + timeout
     deadline_wall = time.time() + timeout
     inherited = fd if start_method == "fork" else None
+    if start_method == "fork":
+        # Garbage the caller has not collected yet (objects in reference cycles) would be collected in the
+        # forked ranks, whose copies of the caller's threads do not exist: a gloo process group's destructor
+        # waits for its worker threads and hangs there. Collected here, its destructors run where the threads
+        # live.
+        gc.collect()
     job = _RankJob(fn, tuple(args), world_size, env, world_kwargs, deadline_wall, inherited)
     procs: list[Any] = []
     conns: list[Any] = []
