@@ -77,28 +77,28 @@ class NcclEngine:
         return _torch_dist.nccl_quorum_group(store, prefix, rank, size, self.timeout)
 
     def all_reduce_sum(self, group: Any, tensor: torch.Tensor) -> None:
-        """Sum the device tensor ``tensor`` in place over ``group``, or abort the group and raise.
+        """Sum the device tensor ``tensor`` in place over ``group``, or raise.
 
         Raises:
             RuntimeError: If the collective failed or did not finish within the timeout; the caller then
                 drops the group (:meth:`drop` aborts it, which also ends the helper thread's wait).
         """
-        self._bounded(group, tensor, lambda: group.allreduce([tensor]), "all-reduce")
+        self._bounded(tensor, lambda: group.allreduce([tensor]), "all-reduce")
 
     def broadcast(self, group: Any, tensor: torch.Tensor, root: int) -> None:
         """Broadcast the host tensor ``tensor`` in place from ``root``, through the device."""
         on_device = tensor.to(self.device)
         options = torch.distributed.BroadcastOptions()
         options.rootRank = root
-        self._bounded(group, on_device, lambda: group.broadcast([on_device], options), "broadcast")
+        self._bounded(on_device, lambda: group.broadcast([on_device], options), "broadcast")
         tensor.copy_(on_device)
 
     def drop(self, group: Any) -> None:
         """Abort ``group`` (never the graceful destroy, which waits for its peers)."""
         _torch_dist.abort_group(group)
 
-    def _bounded(self, group: Any, tensor: torch.Tensor, launch: Callable[[], Any], what: str) -> None:
-        """Run ``launch`` and wait for its result on a helper thread; abort ``group`` past the timeout."""
+    def _bounded(self, tensor: torch.Tensor, launch: Callable[[], Any], what: str) -> None:
+        """Run ``launch`` and wait for its result on a helper thread, at most the timeout, else raise."""
         on_cuda = tensor.device.type == "cuda"
         ready = None
         if on_cuda:  # the caller's stream produced the tensor: the helper's stream waits for it
