@@ -460,7 +460,18 @@ def _open_shared_cuda(rebuild: Any, args: tuple[Any, ...]) -> torch.Tensor:
         del held
 
 
-class reporting_opened_cuda:  # noqa: N801 - used like a function: `with reporting_opened_cuda(into):`
+@contextlib.contextmanager
+def _bound(name: str, value: Any) -> Iterator[None]:
+    """Set this thread's ``_local.<name>`` to ``value`` for the block, then restore the one before it."""
+    previous = getattr(_local, name, None)
+    setattr(_local, name, value)
+    try:
+        yield
+    finally:
+        setattr(_local, name, previous)
+
+
+def reporting_opened_cuda(into: list[torch.UntypedStorage] | None) -> contextlib.AbstractContextManager[None]:
     """Context manager: CUDA storages opened from share handles while it is active are appended to ``into``.
 
     Only where :func:`cuda_reuse_supported`; otherwise nothing is appended (holding a storage would then buy
@@ -470,17 +481,7 @@ class reporting_opened_cuda:  # noqa: N801 - used like a function: `with reporti
     Args:
         into: The list to append to, or ``None``.
     """
-
-    def __init__(self, into: list[torch.UntypedStorage] | None) -> None:
-        self._into = into
-        self._previous: list[torch.UntypedStorage] | None = None
-
-    def __enter__(self) -> None:
-        self._previous = getattr(_local, "opened_cuda", None)
-        _local.opened_cuda = self._into
-
-    def __exit__(self, *exc: object) -> None:
-        _local.opened_cuda = self._previous
+    return _bound("opened_cuda", into)
 
 
 def materialize_entry(entry: tuple[Any, ...]) -> torch.UntypedStorage:
@@ -540,7 +541,7 @@ def materialize_entry(entry: tuple[Any, ...]) -> torch.UntypedStorage:
     )
 
 
-class installed_storages:  # noqa: N801 - used like a function: `with installed_storages(storages):`
+def installed_storages(storages: list[torch.UntypedStorage]) -> contextlib.AbstractContextManager[None]:
     """Context manager that makes ``storages`` the current thread's table while a graph is unpickled.
 
     Nested loads (an object whose ``__setstate__`` calls :func:`pc_pickle.loads`) save and restore the outer
@@ -549,17 +550,7 @@ class installed_storages:  # noqa: N801 - used like a function: `with installed_
     Args:
         storages: The materialized storages of the payload being loaded.
     """
-
-    def __init__(self, storages: list[torch.UntypedStorage]) -> None:
-        self._storages = storages
-        self._previous: list[torch.UntypedStorage] | None = None
-
-    def __enter__(self) -> None:
-        self._previous = getattr(_local, "storages", None)
-        _local.storages = self._storages
-
-    def __exit__(self, *exc: object) -> None:
-        _local.storages = self._previous
+    return _bound("storages", storages)
 
 
 def current_storages() -> list[torch.UntypedStorage]:
