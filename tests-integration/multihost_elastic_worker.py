@@ -9,6 +9,9 @@ or raises; either way it writes what it observed to ``<out_dir>/member<i>.json``
 parameters, the error it raised and when) and leaves at once (``os._exit``: torch's exit handlers could wait
 on lost peers).
 
+With ``PC_MH_ETCD`` set (the client URLs of an etcd member on each host, by host), the member's store is an
+:class:`~pc_distributed.EtcdStore` on that cluster, its own host's member first, instead of the agent's store.
+
 Times are ``time.time()`` (one machine, one clock: comparable with the test's), reported, never checked here.
 The model, the data and the replay of a quorum log are the package tests' (``distributed_elastic_testutils``).
 """
@@ -25,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pc_distributed import ElasticDataParallel, StepContext
+from pc_distributed import ElasticDataParallel, EtcdStore, StepContext
 
 # The model, the data and the replay are the elastic package tests' (one definition for both suites).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "pc-distributed" / "tests"))
@@ -73,11 +76,16 @@ def main() -> None:
     model = elastic.make_model(name)
     obs: dict[str, Any] = {"name": name, "log": [], "aborted": 0}
     edp = None
+    store = None
+    if os.environ.get("PC_MH_ETCD"):
+        urls = os.environ["PC_MH_ETCD"].split(",")
+        store = EtcdStore(urls[host:] + urls[:host], prefix="mh/", timeout=STORE_TIMEOUT)
     try:
         edp = ElasticDataParallel(
             model,
             elastic.make_optimizer(model),
             name=name,
+            store=store,
             job="mh",
             min_members=min_members,
             initial_members=int(os.environ["WORLD_SIZE"]),

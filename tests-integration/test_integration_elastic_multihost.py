@@ -30,7 +30,10 @@ from typing import Any
 import multihost_elastic_worker as worker
 import pytest
 import torch
-from multihost import SimHosts, TorchrunJob, unavailable_reason, wait_for
+from multihost import SimHosts, TorchrunJob, free_port, unavailable_reason, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "pc-distributed" / "tests"))
+import etcd_testutils  # the package tests' etcd command line and binary check
 
 _REASON = unavailable_reason()
 pytestmark = [
@@ -64,11 +67,14 @@ def hosts() -> Iterator[SimHosts]:
 
 
 def _run(
-    sim: SimHosts, out: Path, min_members: int, fault: Callable[[], None]
+    sim: SimHosts, out: Path, min_members: int, fault: Callable[[], None], etcd: str | None = None
 ) -> tuple[dict[int, Any], float, str]:
-    """Start the members, inject ``fault`` once every member holds inside step HOLD, collect the reports."""
+    """Start the members, inject ``fault`` once every member holds inside step HOLD, collect the reports.
+
+    ``etcd``: the client URLs of an etcd cluster (comma-separated, by host) for the members' store.
+    """
     script = [WORKER, str(out), str(min_members), str(QUORUM_TIMEOUT)]
-    job = TorchrunJob(sim, script, out, nproc_per_node=1)
+    job = TorchrunJob(sim, script, out, nproc_per_node=1, extra_env={"PC_MH_ETCD": etcd} if etcd else None)
 
     def files(prefix: str) -> list[Path]:
         return [out / f"{prefix}{i}" for i in range(HOSTS)]
@@ -195,6 +201,48 @@ def test_a_partition_stops_the_side_without_the_store_and_the_other_side_finishe
 
     obs, t_go, logs = _run(hosts, tmp_path, 2, split)
     _check(obs, t_go, logs, lost=[2, 3])
+
+
+def _etcd_cluster(sim: SimHosts, data: Path) -> str:
+    """An etcd member on every host, one cluster; the client URLs by host, comma-separated, once it answers.
+
+    The processes end with the hosts (SimHosts kills everything in their namespaces).
+    """
+    binary = etcd_testutils.require_etcd()
+    ports = [(free_port(), free_port()) for _ in range(sim.n)]
+    cluster = [(f"e{i}", sim.addr(i), peer) for i, (_, peer) in enumerate(ports)]
+    for i, (client, peer) in enumerate(ports):
+        data_dir = data / f"etcd{i}"
+        argv = etcd_testutils.etcd_argv(binary, f"e{i}", sim.addr(i), client, peer, data_dir, cluster)
+        with open(data / f"etcd-{i}.log", "wb") as log:
+            sim.popen(i, argv, dict(os.environ), stdout=log)
+    urls = ",".join(f"http://{sim.addr(i)}:{client}" for i, (client, _) in enumerate(ports))
+    probe = f"import pc_distributed as pd; pd.EtcdStore({urls.split(',')!r}, timeout=60).set('up', '1')"
+    done = subprocess.run(
+        ["ip", "netns", "exec", sim.hosts[0], sys.executable, "-c", probe], capture_output=True, timeout=90
+    )
+    logs = "".join((data / f"etcd-{i}.log").read_text(errors="replace")[-2000:] for i in range(sim.n))
+    assert done.returncode == 0, (done.stderr.decode(errors="replace"), logs)
+    return urls
+
+
+def test_with_an_etcd_store_the_majority_split_from_host_0_goes_on_and_host_0_stops(
+    hosts: SimHosts, tmp_path: Path
+) -> None:
+    """The store is an etcd cluster with a member on every host (no store host to lose). Hosts 1, 2 and 3 (a
+    majority of the members and of etcd's cluster) are split from host 0 inside step HOLD, ``min_members``
+    3: the majority aborts the step, leaves host 0 out and finishes, equal to the replay of its log; host 0,
+    whose etcd member lost the cluster's majority, gets no answer from the store and raises a
+    ``TimeoutError`` naming it, having committed nothing after the split (no split brain)."""
+    urls = _etcd_cluster(hosts, tmp_path)
+
+    def split() -> None:
+        hosts.partition([1, 2, 3])
+        assert _reaches(hosts, 1, 3)
+        assert not _reaches(hosts, 1, 0)
+
+    obs, t_go, logs = _run(hosts, tmp_path, 3, split, etcd=urls)
+    _check(obs, t_go, logs, lost=[0])
 
 
 def test_a_majority_split_from_the_store_stops_and_so_does_the_store_side_below_min_members(

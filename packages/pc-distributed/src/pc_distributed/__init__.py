@@ -12,6 +12,7 @@ one-thread guard (``_one_thread``) and the remote-error types (``_errors``).
 
 from pc_distributed.__about__ import __version__
 from pc_distributed._errors import RankDiedError, RemoteTraceback
+from pc_distributed._store import EtcdStore
 from pc_distributed.collective import CollectiveGroup, RecvHandle
 from pc_distributed.parallel import (
     DASO,
@@ -34,6 +35,7 @@ __all__ = [
     "DataParallelOptimizer",
     "ElasticDataParallel",
     "ElasticSampler",
+    "EtcdStore",
     "QuorumEntry",
     "RankDiedError",
     "RecvHandle",

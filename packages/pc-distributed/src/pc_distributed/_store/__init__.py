@@ -12,6 +12,8 @@ joins. Its modules, one concept each:
 - ``_client``: the protocols the layer's users hold (:class:`StoreClient`, :class:`Waiter`).
 - ``_keys``: atomic claims and look-ups (:func:`claim`, :func:`lookup`, :func:`release`).
 - ``_barrier``: timed waits for keys (:func:`wait_keys`) and the repeatable :class:`StoreBarrier`.
+- ``_etcd``: :class:`EtcdStore`, a torch ``Store`` kept in an etcd cluster (public as
+  ``pc_distributed.EtcdStore``): the store of an elastic job that survives the loss of its host.
 
 The layer imports nothing of pc_distributed but the bottom-layer helpers (``_bounded``,
 ``_torch_errors``); the modules inside it import each other directly, never through this package.
@@ -20,6 +22,7 @@ The layer imports nothing of pc_distributed but the bottom-layer helpers (``_bou
 from pc_distributed._store._barrier import StoreBarrier, arrival_key, wait_keys
 from pc_distributed._store._bounded_store import BoundedStore
 from pc_distributed._store._client import StoreClient, Waiter
+from pc_distributed._store._etcd import EtcdStore
 from pc_distributed._store._keys import claim, lookup, release
 from pc_distributed._store._torch_store import (
     Store,
@@ -36,6 +39,7 @@ from pc_distributed._store._waits import StoreClosedError, WaitStores
 
 __all__ = [
     "BoundedStore",
+    "EtcdStore",
     "Store",
     "StoreBarrier",
     "StoreClient",

@@ -72,11 +72,14 @@ class BoundedStore:
         self._queue.put((future, op, args))
         try:
             return future.result(timeout)
-        except concurrent.futures.TimeoutError:
+        except (concurrent.futures.TimeoutError, TimeoutError) as exc:
+            # The deadline passed here, or the store gave up itself (an EtcdStore cut off from its cluster's
+            # majority): either way the message names this store; the store's own reason is kept.
+            own = future.done() and not future.cancelled()
             future.cancel()  # never sent if it had not started
             raise TimeoutError(
                 f"{self._label}: no answer to {op} within {timeout:g} s (the store's host is unreachable, "
-                "frozen or partitioned away)"
+                f"frozen or partitioned away){f': {exc}' if own else ''}"
             ) from None
         except (RuntimeError, OSError) as exc:
             if not is_connection_loss(exc):

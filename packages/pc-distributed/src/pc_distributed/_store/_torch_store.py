@@ -23,6 +23,7 @@ from pc_distributed._bounded import WAIT_GRACE, call_bounded
 
 __all__ = [
     "Store",
+    "StoreTimeoutError",
     "listen_socket",
     "master_store",
     "open_store",
@@ -38,6 +39,9 @@ Store: Any = dist.Store  # type: ignore[attr-defined]
 _PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 _rendezvous: Any = dist.rendezvous  # type: ignore[attr-defined]
+# What torch's stores raise when a waited key stays missing (a RuntimeError subclass; plain RuntimeError
+# where a build lacks it).
+StoreTimeoutError: type[RuntimeError] = getattr(dist, "DistStoreError", RuntimeError)
 
 logger = logging.getLogger(__name__)
 
