@@ -107,6 +107,32 @@ def test_get_and_wait_see_a_key_set_between_the_read_and_the_watch(
     assert time.monotonic() - start < 4.0  # not the timeout: the watch saw the sets
 
 
+def test_a_watch_cancelled_by_a_compaction_reads_the_key_again(
+    etcd: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd cancels a watch whose start revision was compacted away; ``get`` then reads the key again."""
+    store = _store(etcd, timeout=5.0)
+    for i in range(3):
+        store.set("churn", str(i))
+    _, now = store._range("churn")
+    store._post("/v3/kv/compaction", {"revision": str(now)})
+    assert store._watch_for("missing", 1, time.monotonic() + 5.0) is None  # cancelled, not a timeout
+    reads = []
+    original = pd.EtcdStore._range
+
+    def stale_then_set(self: pd.EtcdStore, key: str) -> tuple[Any, int]:
+        kv, revision = original(self, key)
+        reads.append(kv)
+        if len(reads) == 1:  # the first read: missing, at a revision since compacted away
+            self.set(key, "there")
+            return None, 1
+        return kv, revision
+
+    monkeypatch.setattr(pd.EtcdStore, "_range", stale_then_set)
+    assert store.get("k") == b"there"
+    assert len(reads) == 2
+
+
 def test_get_waits_for_a_key_another_thread_sets(etcd: str) -> None:
     store = _store(etcd)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -172,13 +172,18 @@ class EtcdStore(Store):  # type: ignore[misc]
         return bool(self._post("/v3/kv/txn", body).get("succeeded", False))
 
     def _get_waiting(self, key: str, deadline: float) -> bytes:
-        kv, revision = self._range(key)
-        if kv is None:
-            kv = self._watch_for(key, revision + 1, deadline)
-        return base64.b64decode(kv.get("value", ""))
+        while True:
+            kv, revision = self._range(key)
+            if kv is None:  # watch from the next revision: a put after this read is not missed
+                kv = self._watch_for(key, revision + 1, deadline)
+            if kv is not None:
+                return base64.b64decode(kv.get("value", ""))
 
-    def _watch_for(self, key: str, start: int, deadline: float) -> dict[str, Any]:
-        """Block until ``key`` is put at or after revision ``start``; its record."""
+    def _watch_for(self, key: str, start: int, deadline: float) -> dict[str, Any] | None:
+        """Block until ``key`` is put at or after revision ``start``; its record.
+
+        None if etcd cancelled the watch (``start`` was compacted away meanwhile): read the key again.
+        """
         body = json.dumps({"create_request": {"key": self._key(key), "start_revision": str(start)}})
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -202,6 +207,8 @@ class EtcdStore(Store):  # type: ignore[misc]
                 if not line:
                     raise ConnectionError(f"{self!r}: the watch of {key!r} ended before the key was set")
                 result = json.loads(line).get("result", {})
+                if result.get("canceled"):
+                    return None
                 for event in result.get("events") or []:
                     if event.get("type", "PUT") == "PUT":
                         return dict(event["kv"])
@@ -254,6 +261,9 @@ class EtcdStore(Store):  # type: ignore[misc]
             failures.append(f"HTTP {response.status}: {data[:200]!r}")
             with self._lock:
                 self._preferred = (index + 1) % len(self._endpoints)
+            # An error answer comes at once (a member that lost its leader says so): back off a little
+            # rather than spin on it until the deadline.
+            time.sleep(min(0.05 * len(failures), 0.5, max(deadline - time.monotonic(), 0)))
         raise TimeoutError(
             f"{self!r}: no etcd endpoint answered {path} within {self._timeout:g} s (cut off from the "
             f"cluster's majority?): {'; '.join(failures[-3:]) or 'no answer'}"
