@@ -10,6 +10,7 @@ and ``join_workers``; :class:`~pc_pool.BasePool` delegates those hooks here.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing.context
 import os
@@ -120,6 +121,12 @@ class WorkerSet:
     def repopulate(self, context_of: Callable[[int], Any]) -> None:
         """Start every missing worker index while the pool wants workers (result thread only)."""
         st = self._state
+        if self._ctx.get_start_method() == "fork" and None in st.workers:
+            # Garbage in a reference cycle that is not collected yet would be collected in the forked worker,
+            # where the parent's other threads do not exist: a torch gloo process group's destructor waits
+            # for its worker threads there and hangs the worker. Collected here, destructors run where the
+            # threads live.
+            gc.collect()
         for index in range(st.processes):
             if st.workers[index] is None and st.wants_workers():
                 w = self.start(index, context_of)
