@@ -7,7 +7,8 @@ re-run as the next attempt)::
                        synchronised, a new member)
     q/<a>              the quorum, JSON (:class:`Quorum`), set once by compare_set: the first proposal wins
     latest             the last attempt whose quorum was decided (where a new member starts looking)
-    committed          the job's committed steps (set by each committed step's source)
+    committed          the job's committed steps (set by each committed step's housekeeper, its quorum's
+                       last member by name, once it entered the next boundary)
     done/<a>/<name>    the member finished the attempt's all-reduce
     decide/<a>         "commit" or "abort", set once by compare_set
 
@@ -24,7 +25,8 @@ seeing them all it proposes "commit"; a member whose all-reduce failed, or that 
 member applies the step iff it reads "commit". A commit thus needs every member to have finished the
 reduction, so every member that applies the step applies the same average.
 
-Retention: when attempt ``a`` commits, its source deletes the keys of attempt ``a - RETAIN`` (:func:`forget`),
+Retention: when attempt ``a`` commits, its housekeeper deletes the keys of attempt ``a - RETAIN``
+(:func:`forget`) once it entered the next boundary,
 so the store holds a bounded window of attempts however long the job runs. A member stopped or cut off for
 longer than that (its attempt's quorum gone, ``latest`` at least ``RETAIN`` ahead) finds out the first time
 its fast path misses and raises :class:`StaleAttempt`: it then enters at the current boundary as a member
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pc_distributed import _store
@@ -204,6 +206,7 @@ def form_quorum(
     version: int,
     rules: QuorumRules,
     known: tuple[Quorum, bool] | None = None,
+    after_ready: Callable[[], None] | None = None,
 ) -> Quorum:
     """Enter ``attempt``'s step boundary and return its decided quorum (which may not include this member).
 
@@ -214,6 +217,8 @@ def form_quorum(
         version: This member's committed step count (-1 before its first synchronisation).
         rules: The quorum's size limits and waits.
         known: This member's last quorum and whether it committed (saves reading it back from the store).
+        after_ready: Called once this member's ready key is set, before it waits for the others (work that
+            should overlap the proposal rather than delay it).
 
     Raises:
         TimeoutError: If fewer than ``rules.min_members`` are ready after ``rules.timeout``, naming who is
@@ -226,6 +231,8 @@ def form_quorum(
     me = membership.name
     store = stores.store
     store.set(f"ready/{attempt}/{me}", str(version))
+    if after_ready is not None:
+        after_ready()
     membership.refresh_registry()  # steps are faster than heartbeats: see who enlisted since the last beat
     key = f"q/{attempt}"
     deadline = time.monotonic() + timeout
@@ -293,7 +300,7 @@ def _forgotten(store: BoundedStore, attempt: int) -> bool:
 
 
 def forget(stores: ElasticStores, attempt: int, names: Sequence[str]) -> None:
-    """Delete the keys of ``attempt`` (called by the source of the attempt ``RETAIN`` later, once committed).
+    """Delete the keys of ``attempt`` (by the housekeeper of the attempt ``RETAIN`` later, once committed).
 
     Args:
         stores: The member's store connections.

@@ -224,7 +224,8 @@ class ElasticDataParallel:
         self._rules = QuorumRules(
             self.min_members, self.initial_members, self.max_members, self.quorum_timeout, self.member_timeout
         )
-        self._forgotten: int | None = None  # the last attempt whose keys this member deleted as a source
+        self._forgotten: int | None = None  # the last attempt whose keys this member deleted as housekeeper
+        self._chores: tuple[int, int] | None = None  # (committed steps, attempt to forget up to) to record
         self._buffers_before: list[torch.Tensor] | None = None  # the buffers before this attempt's compute
         self.aborted_attempts = 0
 
@@ -271,7 +272,9 @@ class ElasticDataParallel:
             self._membership.enlist()
             self._enlisted = True
         try:
-            quorum = form_quorum(self._stores, self._membership, a, self._version, self._rules, self._last)
+            quorum = form_quorum(
+                self._stores, self._membership, a, self._version, self._rules, self._last, self._housekeep
+            )
         except StaleAttempt:  # stopped or cut off past the store's window: enter where the others are
             self._attempt = start_attempt(self._stores)
             self._enlisted = False
@@ -308,19 +311,33 @@ class ElasticDataParallel:
             for b, mean in zip(self._float_buffers, averaged, strict=True):
                 b.copy_(mean)
         self._version = quorum.step + 1
-        if self.name == quorum.source:
-            self._stores.store.set("committed", str(self._version))
-            self._forget_up_to(a - _quorum.RETAIN)
+        if self.name == quorum.members[-1]:  # the step's housekeeper: see _housekeep
+            self._chores = (self._version, a - _quorum.RETAIN)
         entry = QuorumEntry(quorum.step, quorum.members)
         self._log.append(entry)
         return entry
 
-    def _forget_up_to(self, attempt: int) -> None:
-        """As the source of a commit, delete the keys of the attempts up to ``attempt`` not yet deleted.
+    def _housekeep(self) -> None:
+        """Record the job's committed steps and forget old attempts, if this member's last commit asks it.
 
-        Every attempt a source committed, aborted ones between included, is forgotten once; when the source
-        changes, the new one starts at ``attempt``, leaving the keys of the few attempts aborted during the
-        change (bounded by the job's membership changes, not by its steps).
+        The housekeeper of a committed step is its quorum's last member by name, and it does this once its
+        ready key for the next attempt is set: the proposer is the lowest live member, so these requests run
+        while the proposer proposes and the others wait, instead of delaying the next quorum (as they did when
+        the step's source, usually also the proposer, made them before entering the boundary). A housekeeper
+        that leaves before its next boundary skips them; the next commit's housekeeper records the count.
+        """
+        chores, self._chores = self._chores, None
+        if chores is not None:
+            version, attempt = chores
+            self._stores.store.set("committed", str(version))
+            self._forget_up_to(attempt)
+
+    def _forget_up_to(self, attempt: int) -> None:
+        """As a commit's housekeeper, delete the keys of the attempts up to ``attempt`` not yet deleted.
+
+        Every attempt up to a housekeeper's commit, aborted ones between included, is forgotten once; when
+        the housekeeper changes, the new one starts at ``attempt``, leaving the keys of the few attempts
+        aborted during the change (bounded by the job's membership changes, not by its steps).
         """
         start = attempt if self._forgotten is None else self._forgotten + 1
         names = self._membership.registered()
