@@ -258,8 +258,9 @@ def main() -> None:
         f"elastic/DDP {elastic:.3f}x, elastic/DataParallel {elastic / blocking:.3f}x, DataParallel/DDP "
         f"{blocking:.3f}x, A/A control {control:.3f}x (the noise floor). An elastic step makes a dozen "
         "store requests on the proposing member and eight on the others, waits included (quorum and "
-        "commit decision; and a commit's source deletes an old attempt's keys, two per member), besides "
-        "the all-reduce of the flat gradients."
+        "commit decision; and a commit's housekeeper, the quorum's last member, deletes an old attempt's "
+        "keys, two per member, once it entered the next boundary, off the proposer's path), besides the "
+        "all-reduce of the flat gradients."
     )
     steps, kill_at, join_at = (30, 5, 10) if args.quick else (60, 10, 20)
     try:
