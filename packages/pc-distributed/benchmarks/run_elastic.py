@@ -256,11 +256,11 @@ def main() -> None:
     report.note(
         f"ratios: median over {rounds} rounds of the ratio within each round, the larger of the 2 ranks: "
         f"elastic/DDP {elastic:.3f}x, elastic/DataParallel {elastic / blocking:.3f}x, DataParallel/DDP "
-        f"{blocking:.3f}x, A/A control {control:.3f}x (the noise floor). An elastic step makes a dozen "
-        "store requests on the proposing member and eight on the others, waits included (quorum and "
-        "commit decision; and a commit's housekeeper, the quorum's last member, deletes an old attempt's "
-        "keys, two per member, once it entered the next boundary, off the proposer's path), besides the "
-        "all-reduce of the flat gradients."
+        f"{blocking:.3f}x, A/A control {control:.3f}x (the noise floor). Besides the all-reduce of the flat "
+        "gradients, an elastic step in steady state makes six store requests on each member (its ready key, "
+        "the check and read of the next quorum decided with the last commit, its done key, the wait for the "
+        "others' and the decision) and three more on the lowest member (deciding the next quorum); a "
+        "commit's last member deletes an old attempt's keys on a thread of its own."
     )
     steps, kill_at, join_at = (30, 5, 10) if args.quick else (60, 10, 20)
     try:

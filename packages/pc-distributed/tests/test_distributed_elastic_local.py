@@ -352,7 +352,7 @@ def test_a_member_whose_attempt_was_forgotten_enters_where_the_others_are(
         quorum = _quorum.form_quorum(stores, membership, 7, 4, rules)
         assert quorum.members == ("late",)
         assert quorum.attempt == 7
-        _quorum.forget(stores, 7, ["late"])
+        _quorum.forget(stores.store, 7, ["late"])
         assert not stores.store.check(["q/7"])
         assert not stores.store.check(["ready/7/late"])
     finally:
@@ -461,3 +461,159 @@ def test_the_nccl_engine_aborts_a_hung_reduction_and_the_step_is_rerun(
     assert len(made) >= 6  # a group per member for the aborted attempt, and new ones for the re-run
     assert [g.aborts for g in made] == [1] * len(made)
     _assert_replay(out, log)
+
+
+class _View:
+    """A liveness view standing in for ``Membership``: ``live`` is who counts as alive."""
+
+    def __init__(self, live: list[str]) -> None:
+        self._live = live
+        self.refreshed = 0
+
+    def refresh_registry(self) -> None:
+        self.refreshed += 1
+
+    def live(self) -> list[str]:
+        return list(self._live)
+
+
+@pytest.mark.parametrize(
+    ("live", "proposed"),
+    [
+        (["b", "a"], True),  # the same members, all alive (join order differs from name order)
+        (["a", "b", "new"], False),  # someone joined and waits to get in
+        (["a"], False),  # "b" is dead or left
+    ],
+)
+def test_the_next_quorum_is_decided_with_a_commit_only_when_nothing_changed(
+    live: list[str], proposed: bool
+) -> None:
+    from pc_distributed.parallel.elastic import _quorum
+
+    stores = _connect.connect(dist.HashStore(), "j", 5.0)
+    try:
+        committed = _quorum.Quorum(4, ("a", "b"), 7, "a", ("b",), 2)
+        view = _View(live)
+        _quorum.propose_next(stores, view, committed)  # type: ignore[arg-type]
+        assert view.refreshed == 1  # a joiner registered since the last beat is seen
+        if proposed:
+            nxt = _quorum.Quorum.from_json(stores.store.get("q/5"))
+            assert nxt == _quorum.Quorum(5, ("a", "b"), 8, "a", (), 2)  # same group, nothing to send
+            assert stores.store.get("latest") == b"5"
+        else:
+            assert not stores.store.check(["q/5"])
+            assert not stores.store.check(["latest"])
+    finally:
+        stores.close()
+
+
+def test_a_next_quorum_decided_otherwise_is_kept() -> None:
+    from pc_distributed.parallel.elastic import _quorum
+
+    stores = _connect.connect(dist.HashStore(), "j", 5.0)
+    try:
+        other = _quorum.Quorum(5, ("a",), 8, "a", (), 5)
+        stores.store.set("q/5", other.to_json())
+        _quorum.propose_next(stores, _View(["a", "b"]), _quorum.Quorum(4, ("a", "b"), 7, "a", (), 2))  # type: ignore[arg-type]
+        assert _quorum.Quorum.from_json(stores.store.get("q/5")) == other
+        assert not stores.store.check(["latest"])
+    finally:
+        stores.close()
+
+
+class _CountingWaits:
+    def __init__(self, waits: Any) -> None:
+        self._waits = waits
+        self.calls = 0
+
+    def wait(self, keys: list[str], timeout: float) -> None:
+        self.calls += 1
+        self._waits.wait(keys, timeout)
+
+    def close(self) -> None:
+        self._waits.close()
+
+
+def test_a_boundary_whose_quorum_is_decided_waits_for_nobody() -> None:
+    """With the next quorum decided at the commit, a member goes from its ready key straight to the step:
+    no wait for the others' ready keys (they may not be there yet)."""
+    from pc_distributed.parallel.elastic import _quorum
+    from pc_distributed.parallel.elastic._membership import Membership
+
+    stores = _connect.connect(dist.HashStore(), "j", 5.0)
+    membership = Membership(stores.beat, "b", 0.05, 5.0)
+    rules = _quorum.QuorumRules(min_members=2, initial_members=2, max_members=8, timeout=30.0, period=5.0)
+    decided = _quorum.Quorum(5, ("a", "b"), 8, "a", (), 2)
+    try:
+        membership.claim()
+        membership.enlist()
+        stores.store.set("q/5", decided.to_json())
+        counting = _CountingWaits(stores.waits)
+        stores.waits = counting  # type: ignore[assignment]
+        assert _quorum.form_quorum(stores, membership, 5, 8, rules) == decided
+        assert counting.calls == 0  # "a" never wrote ready/5: a wait would have lasted 5 s at least
+        assert stores.store.get("ready/5/b") == b"8"
+    finally:
+        membership.stop()
+        stores.close()
+
+
+def test_a_member_leaving_after_a_commit_costs_the_others_one_aborted_attempt() -> None:
+    """The next quorum was decided with the commit, so the member that left is in it: the others' reduction
+    fails, the attempt is aborted and re-run without it; nothing is applied twice (the replay)."""
+    store = dist.HashStore()
+
+    def member(name: str) -> dict[str, Any]:
+        steps = 3 if name == "c" else 6
+        return _member(store, name, steps, initial_members=3)
+
+    out = run_threads(member, ["a", "b", "c"])
+    for r in out.values():
+        assert not isinstance(r, BaseException), r
+    log = out["a"]["log"]
+    assert log == [(s, ("a", "b", "c")) for s in range(3)] + [(s, ("a", "b")) for s in range(3, 6)]
+    assert out["b"]["log"] == log
+    assert out["a"]["aborted"] <= 1
+    assert out["b"]["aborted"] <= 1
+    _assert_replay({"a": out["a"], "b": out["b"]}, log)
+
+
+def test_the_housekeeper_records_the_newest_commit_and_forgets_each_attempt_once() -> None:
+    from pc_distributed.parallel.elastic import _quorum
+    from pc_distributed.parallel.elastic._housekeeper import Housekeeper
+
+    stores = _connect.connect(dist.HashStore(), "j", 5.0)
+    try:
+        for a in range(6):
+            stores.store.set(f"q/{a}", _quorum.Quorum(a, ("a", "b"), a, "a", (), 0).to_json())
+            for n in ("a", "b"):
+                stores.store.set(f"ready/{a}/{n}", str(a))
+                stores.store.set(f"done/{a}/{n}", "1")
+            stores.store.set(f"decide/{a}", "commit")
+        keeper = Housekeeper(stores.chores, lambda: ["a", "b"], "b")
+        keeper.record(3, 1)
+        keeper.record(4, 3)
+        keeper.close(30.0)
+        assert keeper.error is None
+        assert stores.store.get("committed") == b"4"
+        for a in range(6):  # attempts 0-3 forgotten (the first record starts at its own attempt: 1)
+            kept = a == 0 or a > 3
+            assert stores.store.check([f"q/{a}"]) == kept, a
+            assert stores.store.check([f"ready/{a}/b", f"done/{a}/a", f"decide/{a}"]) == kept, a
+    finally:
+        stores.close()
+
+
+class _Silent:
+    def set(self, key: str, value: str) -> None:
+        raise TimeoutError("the store does not answer")
+
+
+def test_a_housekeeper_whose_store_fails_stops_and_keeps_the_error() -> None:
+    from pc_distributed.parallel.elastic._housekeeper import Housekeeper
+
+    keeper = Housekeeper(_Silent(), list, "x")  # type: ignore[arg-type]
+    keeper.record(1, -5)
+    keeper.close(30.0)
+    assert isinstance(keeper.error, TimeoutError)
+    assert not keeper._thread.is_alive()

@@ -5,10 +5,10 @@ must be served by a process that outlives every worker: torchrun's agent or ``ru
 served by a rank (rank 0 of a World started without an agent) would take the whole job with it when that rank
 dies, which is exactly the failure the trainer exists to survive, so it is refused.
 
-A member keeps four kinds of connection (one per role, as the World does): short requests of the training
-loop, short requests of the heartbeat thread (never queued behind the loop's), one connection per blocking
-wait (``WaitStores``), and one for the quorum groups' rendezvous. Stores other than ``TCPStore`` (a
-``HashStore`` or ``FileStore``) are shared by all of them.
+A member keeps five kinds of connection (one per role, as the World does): short requests of the training
+loop, short requests of the heartbeat thread (never queued behind the loop's), those of the housekeeping
+thread, one connection per blocking wait (``WaitStores``), and one for the quorum groups' rendezvous. Stores
+other than ``TCPStore`` (a ``HashStore``, ``FileStore`` or ``EtcdStore``) are shared by all of them.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class ElasticStores:
     Attributes:
         store: Short requests of the training loop.
         beat: Short requests of the heartbeat thread.
+        chores: Short requests of the housekeeping thread.
         waits: Blocking waits, a connection each.
         raw: The unprefixed client the quorum groups' stores are made from.
         prefix: The job's key prefix (``pc_elastic/<job>``).
@@ -40,6 +41,7 @@ class ElasticStores:
 
     store: BoundedStore
     beat: BoundedStore
+    chores: BoundedStore
     waits: WaitStores
     raw: Any
     prefix: str
@@ -53,6 +55,7 @@ class ElasticStores:
         """Close the clients (never blocks)."""
         self.store.close()
         self.beat.close()
+        self.chores.close()
         self.waits.close()
 
 
@@ -109,9 +112,11 @@ def connect(store: Any, job: str, timeout: float) -> ElasticStores:
     label = f"the elastic store of job {job!r}"
     server = "the launcher serving it (torchrun's agent or run_world)"
     beat_client = _store.store_client(raw, timeout) or raw
+    chores_client = _store.store_client(raw, timeout) or raw
     return ElasticStores(
         store=BoundedStore(_store.prefix_store(prefix, raw), timeout, label, server),
         beat=BoundedStore(_store.prefix_store(prefix, beat_client), timeout, label, server),
+        chores=BoundedStore(_store.prefix_store(prefix, chores_client), timeout, label, server),
         waits=WaitStores(raw, prefix, timeout),
         raw=raw,
         prefix=prefix,

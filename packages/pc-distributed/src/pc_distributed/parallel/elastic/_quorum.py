@@ -8,7 +8,7 @@ re-run as the next attempt)::
     q/<a>              the quorum, JSON (:class:`Quorum`), set once by compare_set: the first proposal wins
     latest             the last attempt whose quorum was decided (where a new member starts looking)
     committed          the job's committed steps (set by each committed step's housekeeper, its quorum's
-                       last member by name, once it entered the next boundary)
+                       last member by name, on a thread of its own: ``_housekeeper``)
     done/<a>/<name>    the member finished the attempt's all-reduce
     decide/<a>         "commit" or "abort", set once by compare_set
 
@@ -19,6 +19,10 @@ then in join order, at most ``max_members``) and everyone reads the proposal tha
 after ``quorum_timeout`` are left out if the others are at least ``min_members``; below ``min_members`` the
 wait goes on until ``quorum_timeout`` and then raises ``TimeoutError`` naming who is missing.
 
+Next quorum with the commit: right after an attempt commits, its lowest member decides the next attempt's
+quorum if nothing changed (:func:`propose_next`); a member reaching a boundary whose quorum is decided
+returns it at once, without waiting for the others' ready keys.
+
 Decision: a member that finished the all-reduce writes its done key and waits for every quorum member's;
 seeing them all it proposes "commit"; a member whose all-reduce failed, or that sees a quorum member die or
 ``step_timeout`` pass before all done keys are there, proposes "abort". The first proposal wins and every
@@ -26,7 +30,7 @@ member applies the step iff it reads "commit". A commit thus needs every member 
 reduction, so every member that applies the step applies the same average.
 
 Retention: when attempt ``a`` commits, its housekeeper deletes the keys of attempt ``a - RETAIN``
-(:func:`forget`) once it entered the next boundary,
+(:func:`forget`, on its housekeeping thread),
 so the store holds a bounded window of attempts however long the job runs. A member stopped or cut off for
 longer than that (its attempt's quorum gone, ``latest`` at least ``RETAIN`` ahead) finds out the first time
 its fast path misses and raises :class:`StaleAttempt`: it then enters at the current boundary as a member
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pc_distributed import _store
@@ -55,6 +59,7 @@ __all__ = [
     "decide",
     "forget",
     "form_quorum",
+    "propose_next",
     "start_attempt",
 ]
 
@@ -206,7 +211,6 @@ def form_quorum(
     version: int,
     rules: QuorumRules,
     known: tuple[Quorum, bool] | None = None,
-    after_ready: Callable[[], None] | None = None,
 ) -> Quorum:
     """Enter ``attempt``'s step boundary and return its decided quorum (which may not include this member).
 
@@ -217,8 +221,6 @@ def form_quorum(
         version: This member's committed step count (-1 before its first synchronisation).
         rules: The quorum's size limits and waits.
         known: This member's last quorum and whether it committed (saves reading it back from the store).
-        after_ready: Called once this member's ready key is set, before it waits for the others (work that
-            should overlap the proposal rather than delay it).
 
     Raises:
         TimeoutError: If fewer than ``rules.min_members`` are ready after ``rules.timeout``, naming who is
@@ -231,10 +233,10 @@ def form_quorum(
     me = membership.name
     store = stores.store
     store.set(f"ready/{attempt}/{me}", str(version))
-    if after_ready is not None:
-        after_ready()
-    membership.refresh_registry()  # steps are faster than heartbeats: see who enlisted since the last beat
     key = f"q/{attempt}"
+    if store.check([key]):  # decided already, with the last commit (propose_next) or by the others
+        return Quorum.from_json(store.get(key))
+    membership.refresh_registry()  # steps are faster than heartbeats: see who enlisted since the last beat
     deadline = time.monotonic() + timeout
     deferred = False
     while True:
@@ -299,17 +301,16 @@ def _forgotten(store: BoundedStore, attempt: int) -> bool:
     return latest is not None and latest >= attempt + RETAIN
 
 
-def forget(stores: ElasticStores, attempt: int, names: Sequence[str]) -> None:
+def forget(store: BoundedStore, attempt: int, names: Sequence[str]) -> None:
     """Delete the keys of ``attempt`` (by the housekeeper of the attempt ``RETAIN`` later, once committed).
 
     Args:
-        stores: The member's store connections.
+        store: A client of the job's keys.
         attempt: The attempt to forget (nothing happens below 0).
         names: Every member that may have written a ready key (the registry).
     """
     if attempt < 0:
         return
-    store = stores.store
     quorum = f"q/{attempt}"
     members = Quorum.from_json(store.get(quorum)).members if store.check([quorum]) else ()
     keys = [f"ready/{attempt}/{n}" for n in dict.fromkeys(names)]
@@ -360,3 +361,27 @@ def decide(
             if gone or time.monotonic() >= deadline:
                 break
     return store.compare_set(key, "", verdict).decode() == COMMIT
+
+
+def propose_next(stores: ElasticStores, membership: Membership, quorum: Quorum) -> None:
+    """Right after ``quorum``'s attempt committed, decide the next attempt's quorum if nothing changed.
+
+    Called by the quorum's lowest member (the one that would propose at the next boundary). When every
+    member of ``quorum`` is alive and no other registered member is (nobody joined, nobody is waiting to
+    get in), the next quorum is the same members, one step further, on the same group, with no state to
+    send; deciding it now lets every member go from the commit straight to its next step without waiting for
+    the others at the boundary (:func:`form_quorum` finds it decided). Otherwise nothing is proposed and the
+    next boundary forms its quorum as usual.
+
+    A member that dies or leaves after the commit is then in the next quorum: that attempt's reduction
+    fails and it is aborted and re-run without it, as when a member dies inside a step.
+    """
+    membership.refresh_registry()
+    live = membership.live()
+    if sorted(live) != list(quorum.members):
+        return
+    nxt = Quorum(quorum.attempt + 1, quorum.members, quorum.step + 1, quorum.members[0], (), quorum.group)
+    store = stores.store
+    won = Quorum.from_json(store.compare_set(f"q/{nxt.attempt}", "", nxt.to_json()))
+    if won == nxt:
+        store.set("latest", str(nxt.attempt))

@@ -11,8 +11,10 @@
       2. group for q/<a> (gloo or NCCL, keys pg/<group>); the lowest up-to-date member's state -> q.sync
       3. compute(ctx): forward/backward on this member's share of the step's batch
       4. all-reduce [w * grads, w * buffers, w];  done/<a>/<me>  ----->  decide/<a> = commit | abort
-      5. commit: grads = sum(w * grads) / sum(w), optimizer.step(), buffers = their average, step += 1
+      5. commit: the lowest member decides q/<a+1> = the same members if nothing changed  ----->  q/<a+1>
+                 grads = sum(w * grads) / sum(w), optimizer.step(), buffers = their average, step += 1
          abort:  nothing applied, buffers restored; the same step is re-run as attempt a + 1
+    housekeeping thread (a commit's last member): committed, deletes attempt a - RETAIN's keys  ----->
 
 Everything the members must agree on (who is in a step, whether the step counts) is decided once in the store
 by ``compare_set`` and read by all, so they cannot disagree; a member that cannot reach the store raises
@@ -32,6 +34,7 @@ import pc_distributed.parallel.elastic._quorum as _quorum
 from pc_distributed._checks import int_at_least, positive_seconds
 from pc_distributed.parallel.elastic._connect import connect
 from pc_distributed.parallel.elastic._engine import engine_for
+from pc_distributed.parallel.elastic._housekeeper import Housekeeper
 from pc_distributed.parallel.elastic._membership import Membership
 from pc_distributed.parallel.elastic._quorum import (
     Quorum,
@@ -39,6 +42,7 @@ from pc_distributed.parallel.elastic._quorum import (
     StaleAttempt,
     decide,
     form_quorum,
+    propose_next,
     start_attempt,
 )
 from pc_distributed.parallel.elastic._state import share_state
@@ -214,6 +218,7 @@ class ElasticDataParallel:
             self._membership.stop()
             self._stores.close()
             raise
+        self._housekeeper = Housekeeper(self._stores.chores, self._membership.registered, name)
         self._version = -1  # committed steps this replica holds; -1 until its first synchronisation
         self._enlisted = False
         self._group: Any = None
@@ -224,8 +229,6 @@ class ElasticDataParallel:
         self._rules = QuorumRules(
             self.min_members, self.initial_members, self.max_members, self.quorum_timeout, self.member_timeout
         )
-        self._forgotten: int | None = None  # the last attempt whose keys this member deleted as housekeeper
-        self._chores: tuple[int, int] | None = None  # (committed steps, attempt to forget up to) to record
         self._buffers_before: list[torch.Tensor] | None = None  # the buffers before this attempt's compute
         self.aborted_attempts = 0
 
@@ -272,9 +275,7 @@ class ElasticDataParallel:
             self._membership.enlist()
             self._enlisted = True
         try:
-            quorum = form_quorum(
-                self._stores, self._membership, a, self._version, self._rules, self._last, self._housekeep
-            )
+            quorum = form_quorum(self._stores, self._membership, a, self._version, self._rules, self._last)
         except StaleAttempt:  # stopped or cut off past the store's window: enter where the others are
             self._attempt = start_attempt(self._stores)
             self._enlisted = False
@@ -305,45 +306,19 @@ class ElasticDataParallel:
             self._clear_grads()
             logger.info("elastic member %r: attempt %d of step %d aborted", self.name, a, quorum.step)
             return None
+        if self.name == quorum.members[0]:  # before the optimizer step: the others look for it after theirs
+            propose_next(self._stores, self._membership, quorum)
         self.optimizer.step()  # _reduce set every parameter's .grad to the quorum's average
         self._clear_grads()
         with torch.no_grad():
             for b, mean in zip(self._float_buffers, averaged, strict=True):
                 b.copy_(mean)
         self._version = quorum.step + 1
-        if self.name == quorum.members[-1]:  # the step's housekeeper: see _housekeep
-            self._chores = (self._version, a - _quorum.RETAIN)
+        if self.name == quorum.members[-1]:  # the step's housekeeper (not the proposer, where there are two)
+            self._housekeeper.record(self._version, a - _quorum.RETAIN)
         entry = QuorumEntry(quorum.step, quorum.members)
         self._log.append(entry)
         return entry
-
-    def _housekeep(self) -> None:
-        """Record the job's committed steps and forget old attempts, if this member's last commit asks it.
-
-        The housekeeper of a committed step is its quorum's last member by name, and it does this once its
-        ready key for the next attempt is set: the proposer is the lowest live member, so these requests run
-        while the proposer proposes and the others wait, instead of delaying the next quorum (as they did when
-        the step's source, usually also the proposer, made them before entering the boundary). A housekeeper
-        that leaves before its next boundary skips them; the next commit's housekeeper records the count.
-        """
-        chores, self._chores = self._chores, None
-        if chores is not None:
-            version, attempt = chores
-            self._stores.store.set("committed", str(version))
-            self._forget_up_to(attempt)
-
-    def _forget_up_to(self, attempt: int) -> None:
-        """As a commit's housekeeper, delete the keys of the attempts up to ``attempt`` not yet deleted.
-
-        Every attempt up to a housekeeper's commit, aborted ones between included, is forgotten once; when
-        the housekeeper changes, the new one starts at ``attempt``, leaving the keys of the few attempts
-        aborted during the change (bounded by the job's membership changes, not by its steps).
-        """
-        start = attempt if self._forgotten is None else self._forgotten + 1
-        names = self._membership.registered()
-        for old in range(max(start, 0), attempt + 1):
-            _quorum.forget(self._stores, old, names)
-        self._forgotten = attempt
 
     def _reduce(
         self, quorum: Quorum, compute: Callable[[StepContext], float | int | None]
@@ -464,6 +439,7 @@ class ElasticDataParallel:
         self._closed = True
         self._drop_group()
         self._membership.leave(self._stores.store)
+        self._housekeeper.close(self._stores.timeout)
         self._stores.close()
 
     def __enter__(self) -> ElasticDataParallel:
