@@ -16,8 +16,8 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
+import pc_distributed.parallel.elastic._quorum as _quorum
 from pc_distributed._store import BoundedStore
-from pc_distributed.parallel.elastic import _quorum
 
 __all__ = ["Housekeeper"]
 
