@@ -590,9 +590,22 @@ def test_the_housekeeper_records_the_newest_commit_and_forgets_each_attempt_once
                 stores.store.set(f"ready/{a}/{n}", str(a))
                 stores.store.set(f"done/{a}/{n}", "1")
             stores.store.set(f"decide/{a}", "commit")
-        keeper = Housekeeper(stores.chores, lambda: ["a", "b"], "b")
+        last_deleted = threading.Event()
+
+        class _Watched:  # the job's keys; tells when attempt 3's quorum, forgotten last, is deleted
+            def __getattr__(self, name: str) -> Any:
+                return getattr(stores.chores, name)
+
+            def delete_key(self, key: str) -> bool:
+                deleted = stores.chores.delete_key(key)
+                if key == "q/3":
+                    last_deleted.set()
+                return deleted
+
+        keeper = Housekeeper(_Watched(), lambda: ["a", "b"], "b")  # type: ignore[arg-type]
         keeper.record(3, 1)
         keeper.record(4, 3)
+        assert last_deleted.wait(30)
         keeper.close(30.0)
         assert keeper.error is None
         assert stores.store.get("committed") == b"4"
@@ -617,3 +630,36 @@ def test_a_housekeeper_whose_store_fails_stops_and_keeps_the_error() -> None:
     keeper.close(30.0)
     assert isinstance(keeper.error, TimeoutError)
     assert not keeper._thread.is_alive()
+
+
+class _Slow:
+    """A store whose deletes block until released (a long forget in progress)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.deletes = 0
+
+    def set(self, key: str, value: str) -> None:
+        pass
+
+    def check(self, keys: list[str]) -> bool:
+        return False
+
+    def delete_key(self, key: str) -> bool:
+        self.deletes += 1
+        self.release.wait(30)
+        return False
+
+
+def test_closing_a_housekeeper_drops_the_attempts_it_has_not_forgotten() -> None:
+    from pc_distributed.parallel.elastic._housekeeper import Housekeeper
+
+    slow = _Slow()
+    keeper = Housekeeper(slow, lambda: ["a"], "x")  # type: ignore[arg-type]
+    keeper.record(100, 0)  # starts at attempt 0
+    keeper.record(101, 50)  # 51 attempts to forget, three deletes each
+    keeper.close(0.1)  # the thread is inside a delete: close does not wait for it
+    slow.release.set()
+    keeper._thread.join(30)
+    assert not keeper._thread.is_alive()
+    assert slow.deletes <= 6  # the attempt in progress (and at most one more), not all 51

@@ -43,6 +43,7 @@ class Housekeeper:
         self._name = name
         self._queue: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._forgotten: int | None = None  # the last attempt whose keys this member deleted
+        self._closing = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"pc-elastic-housekeeper: {name}", daemon=True)
         self._thread.start()
@@ -52,7 +53,11 @@ class Housekeeper:
         self._queue.put((committed, forget_up_to))
 
     def close(self, timeout: float) -> None:
-        """Let the thread finish what it was given and end; wait ``timeout`` seconds at most (idempotent)."""
+        """End the thread after the request it is in, if any; wait ``timeout`` seconds at most (idempotent).
+
+        Attempts it had not forgotten yet are left (the next housekeeper forgets from its own commit on).
+        """
+        self._closing.set()
         self._queue.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)  # one stuck on a silent store is a daemon, bounded by its client
@@ -91,5 +96,7 @@ class Housekeeper:
             return  # forgotten already
         names = list(self._registered())
         for old in range(max(start, 0), attempt + 1):
+            if self._closing.is_set():
+                return
             _quorum.forget(self._store, old, names)
-        self._forgotten = attempt
+            self._forgotten = old
