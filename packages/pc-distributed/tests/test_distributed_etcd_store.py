@@ -100,11 +100,10 @@ def test_get_and_wait_see_a_key_set_between_the_read_and_the_watch(
         return original(self, key, start, deadline)
 
     monkeypatch.setattr(pd.EtcdStore, "_watch_for", set_first)
-    start = time.monotonic()
+    # A watch that missed the sets would end in DistStoreError at the 5 s timeout, not return the values.
     assert store.get("late") == b"v-late"
     store.wait(["w1", "w2"], timedelta(seconds=5))
     assert seen == ["late", "w1", "w2"]
-    assert time.monotonic() - start < 4.0  # not the timeout: the watch saw the sets
 
 
 def test_a_watch_cancelled_by_a_compaction_reads_the_key_again(

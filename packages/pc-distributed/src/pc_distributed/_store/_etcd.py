@@ -261,7 +261,8 @@ class EtcdStore(Store):  # type: ignore[misc]
             failures.append(f"HTTP {response.status}: {data[:200]!r}")
             with self._lock:
                 self._preferred = (index + 1) % len(self._endpoints)
-            # An error answer comes at once (a member that lost its leader says so): back off a little
+            # Not a synchronisation: retry pacing. An error answer comes at once (a member that lost its
+            # leader says so), and nothing signals when the cluster has a leader again; back off a little
             # rather than spin on it until the deadline.
             time.sleep(min(0.05 * len(failures), 0.5, max(deadline - time.monotonic(), 0)))
         raise TimeoutError(
