@@ -91,11 +91,9 @@ class Housekeeper:
         the housekeeper changes, the new one starts at ``attempt``, leaving the keys of the few attempts
         aborted during the change (bounded by the job's membership changes, not by its steps).
         """
-        start = attempt if self._forgotten is None else self._forgotten + 1
-        if attempt < start:
-            return  # forgotten already
+        assert self._forgotten is not None  # set by _run at the first record
         names = list(self._registered())
-        for old in range(max(start, 0), attempt + 1):
+        for old in range(max(self._forgotten + 1, 0), attempt + 1):  # empty if forgotten already
             if self._closing.is_set():
                 return
             _quorum.forget(self._store, old, names)
