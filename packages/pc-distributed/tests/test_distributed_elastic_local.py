@@ -394,12 +394,18 @@ def test_a_member_silent_at_the_boundary_is_left_out_one_member_timeout_after_it
 
 
 class _HungWork:
-    """A collective that never completes: its wait returns only when its group is aborted."""
+    """A collective that never completes: its wait returns only when its group is aborted.
 
-    def __init__(self, aborted: threading.Event) -> None:
+    The real gloo collective under it runs to its end first, so that the peers' part completes and no
+    thread is ever left inside a gloo collective of a group that was let go (gloo cannot abort one).
+    """
+
+    def __init__(self, aborted: threading.Event, inner: Any) -> None:
         self.aborted = aborted
+        self.inner = inner
 
     def wait(self, *args: Any) -> None:
+        self.inner.wait()
         if not self.aborted.wait(60):
             raise AssertionError("the hung collective's group was never aborted")
         raise RuntimeError("stand-in: the collective ended by the abort")
@@ -415,7 +421,8 @@ class _StandInNcclGroup:
         self.aborts = 0
 
     def allreduce(self, tensors: list[torch.Tensor]) -> Any:
-        return _HungWork(self.aborted) if self.hang else self.inner.allreduce(tensors)
+        work = self.inner.allreduce(tensors)
+        return _HungWork(self.aborted, work) if self.hang else work
 
     def broadcast(self, tensors: list[torch.Tensor], options: Any) -> Any:
         return self.inner.broadcast(tensors, options)
