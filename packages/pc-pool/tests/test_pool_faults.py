@@ -10,9 +10,12 @@ import concurrent.futures
 import multiprocessing
 import multiprocessing.pool
 import os
+import pathlib
 import pickle
 import signal
+import time
 import warnings
+from multiprocessing.connection import wait
 from typing import Any
 
 import pool_testutils as tu
@@ -213,6 +216,31 @@ def test_pool_timeout_then_terminate_fails_every_form(kind: str) -> None:
     finally:
         pool.terminate()
         executor.shutdown(wait=True)
+
+
+def _clean_up_slowly(started_fd: int, marker: str) -> None:
+    try:
+        os.write(started_fd, b"x")
+        time.sleep(3600)
+    finally:  # terminate() repeats SIGTERM meanwhile; none of the repeats may cut this short
+        time.sleep(0.3)
+        pathlib.Path(marker).write_text("unwound")
+
+
+def test_pool_terminate_lets_a_worker_finish_unwinding(tmp_path: pathlib.Path) -> None:
+    started_r, started_w = os.pipe()  # inherited by the fork worker
+    marker = tmp_path / "marker"
+    try:
+        with pc_pool.Pool(1, share_method="cpu") as pool:
+            result = pool.apply_async(_clean_up_slowly, (started_w, str(marker)))
+            assert wait([started_r], tu.T), "the task did not start"
+            pool.terminate()
+            with pytest.raises(PoolTerminatedError):
+                result.get(tu.T)
+        assert marker.read_text() == "unwound"
+    finally:
+        os.close(started_r)
+        os.close(started_w)
 
 
 def _alive(pid: int) -> bool:

@@ -12,7 +12,7 @@ import pytest
 
 _SCRIPT = textwrap.dedent(
     """
-    import os, select, sys, time
+    import os, select, signal, sys, time
     import psutil, torch
     import pc_pool
 
@@ -25,6 +25,16 @@ _SCRIPT = textwrap.dedent(
         if t[0].item() >= 2:
             os.write(STARTED_W, b"x")
             time.sleep(3600)  # running when terminate() comes: never returns
+        return t * 2
+
+    def hang_through_one_sigterm(t):
+        if t[0].item() >= 2:
+            # The first SIGTERM runs this handler instead of the pool's, as when it lands just before a
+            # blocking call (the handler runs only after the call); only a later SIGTERM unwinds the worker.
+            pool_handler = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, lambda signum, frame: signal.signal(signal.SIGTERM, pool_handler))
+            os.write(STARTED_W, b"x")
+            time.sleep(3600)
         return t * 2
 
     def ours(pids):
@@ -44,7 +54,8 @@ _SCRIPT = textwrap.dedent(
                     assert [v[0].item() for v in values] == [2.0 * i for i in range(40)]
                     del values, result, args
                 else:  # abandoned: 2 results taken, then terminate() with chunks running and queued
-                    it = pool.imap(double_or_hang, [torch.full((8,), float(i)) for i in range(20)])
+                    task = double_or_hang if sys.argv[1] == "abandoned" else hang_through_one_sigterm
+                    it = pool.imap(task, [torch.full((8,), float(i)) for i in range(20)])
                     assert [next(it)[0].item(), next(it)[0].item()] == [0.0, 2.0]
                     for _ in range(2):  # both workers run a hanging task (more chunks wait in the pipes)
                         assert select.select([STARTED_R], [], [], 60)[0], "no worker started a task"
@@ -56,7 +67,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("mode", ["drained", "retiring", "abandoned"])
+@pytest.mark.parametrize("mode", ["drained", "retiring", "abandoned", "first_sigterm_missed"])
 def test_pool_file_system_share_leaves_no_segments_across_pools(tmp_path: Path, mode: str) -> None:
     # Issue 16: 186 segments per closed pool, growing across pools. The workers' result tensors were kept
     # alive by a reference cycle in dumps until the workers were stopped, so their refcounts never dropped.
@@ -64,6 +75,8 @@ def test_pool_file_system_share_leaves_no_segments_across_pools(tmp_path: Path, 
     # killed while holding arguments: 7, 10, 13 segments after 1, 2, 3 pools before the pool released the
     # unread payloads and workers unwound on SIGTERM. "retiring": maxtasksperchild=1, so each worker drains
     # (without loading) the chunks already sent to it when it retires; it now releases them.
+    # "first_sigterm_missed": as "abandoned", but the workers' first SIGTERM does not unwind them (as when it
+    # lands just before a blocking call): 2, 4, 6 segments (SIGKILL) before terminate() repeated SIGTERM.
     script = tmp_path / "shm_segments_script.py"
     script.write_text(_SCRIPT)
     done = subprocess.run(

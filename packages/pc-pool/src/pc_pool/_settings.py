@@ -21,6 +21,7 @@ __all__ = [
     "MAX_WINDOW",
     "NO_CONTEXT",
     "SIGNAL_SLICE",
+    "TERM_REPEAT",
     "TICK",
     "WINDOW",
     "PoolStates",
@@ -36,6 +37,11 @@ WINDOW = 2  # chunks outstanding per worker: one running, one waiting in the pip
 FAST_RTT = 0.002
 MAX_WINDOW = 32
 KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL in terminate()
+# SIGTERM is sent again this often during KILL_GRACE. Python runs a signal handler between bytecodes, so a
+# SIGTERM that lands after the last check and before a blocking call (time.sleep, a pipe read) only trips a
+# flag and the call blocks on; the next SIGTERM interrupts it and the handler runs. The worker's handler acts
+# on the first one it runs for and ignores the rest.
+TERM_REPEAT = 0.05
 CLOSE_GRACE = 5.0  # seconds a worker gets to exit after a drained close() before it is killed
 TICK = 5.0  # upper bound of any internal wait; predicates are re-checked, nothing relies on it
 SIGNAL_SLICE = 0.5  # longest wait of the main thread between two looks at pending signals (wait_in_slices)

@@ -24,7 +24,7 @@ from pc_pool._protocol import frame_msg, send_msg, write_all
 from pc_pool._quiet import quiet_numpy_warning_in_children
 from pc_pool._reader import ResultReader
 from pc_pool._records import WorkerHandle
-from pc_pool._settings import KILL_GRACE, NO_CONTEXT, TICK, now
+from pc_pool._settings import KILL_GRACE, NO_CONTEXT, TERM_REPEAT, TICK, now
 from pc_pool._state import EngineState
 from pc_pool.worker import worker_main
 
@@ -250,15 +250,20 @@ class WorkerSet:
             _log.warning("pool worker pid %s did not exit", w.process.pid)
 
     def terminate_all(self) -> None:
-        """SIGTERM every live worker, then SIGKILL those still alive after ``KILL_GRACE`` seconds."""
+        """SIGTERM every live worker, then SIGKILL those still alive after ``KILL_GRACE`` seconds.
+
+        SIGTERM is repeated every ``TERM_REPEAT`` seconds until a worker exits: one that took the first
+        signal just before a blocking call has not run its handler yet (see ``TERM_REPEAT``), and being
+        killed instead of unwinding would leave the shared segments it holds behind.
+        """
         live = [w for w in self._state.workers if w is not None and w.process.exitcode is None]
-        for w in live:
-            with contextlib.suppress(OSError, ValueError):  # already gone
-                w.process.terminate()
         pending = {w.process.sentinel: w for w in live}
         deadline = now() + KILL_GRACE
         while pending and (left := deadline - now()) > 0:
-            for sentinel in wait(list(pending), left):
+            for w in pending.values():
+                with contextlib.suppress(OSError, ValueError):  # already gone
+                    w.process.terminate()
+            for sentinel in wait(list(pending), min(left, TERM_REPEAT)):
                 pending.pop(sentinel)  # type: ignore[arg-type]
         for w in pending.values():
             w.process.kill()

@@ -396,9 +396,18 @@ class _Terminated(SystemExit):
     """Raised by SIGTERM in a worker; ``worker_main`` catches it once the stack has unwound."""
 
 
+_terminating = False  # set by the first SIGTERM this worker handles
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     # terminate() sends SIGTERM: unwinding (instead of dying at once) drops the shared tensors this worker
     # holds, so their /dev/shm segments ('file_system') are not left behind; SIGKILL follows after 1 s.
+    # terminate() repeats SIGTERM until the worker exits: only the first one it handles raises, so the
+    # unwinding it started is not cut short by another.
+    global _terminating
+    if _terminating:
+        return
+    _terminating = True
     raise _Terminated(128 + signum)
 
 
