@@ -15,7 +15,8 @@ import logging
 import multiprocessing.context
 import os
 import select
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -33,6 +34,44 @@ __all__ = ["WorkerSet"]
 
 _log = logging.getLogger(__name__)
 _MAX_BURST = 256  # messages read from one worker per wake-up, so a chatty worker cannot starve the others
+_fork_lock = threading.Lock()  # one freeze, fork and unfreeze at a time, whichever pool forks
+
+
+def _new_fork_lock() -> None:
+    # A worker is forked while its pool holds the lock: a pool made inside a task needs a free one.
+    global _fork_lock
+    _fork_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_fork_lock)
+
+
+@contextlib.contextmanager
+def _inherited_objects_frozen(fork: bool) -> Iterator[None]:
+    """Fork with the parent's objects in the collector's permanent generation: the worker never collects them.
+
+    Garbage in a reference cycle that the parent has not collected yet would otherwise be collected in the
+    forked worker, where the parent's other threads do not exist: a torch gloo process group's destructor
+    waits there for worker threads of its own and hangs the worker. A worker's collections never examine
+    frozen objects, and the parent unfreezes them as soon as the fork returns (its own collector then deals
+    with them, where their threads live). Freezing moves whole generations at once: no traversal of the
+    heap, unlike a full collection before every fork. A program that froze objects itself (``gc.freeze()``
+    before forking, as Python's docs advise) would see that undone by the unfreeze: then the parent collects
+    its garbage before the fork instead.
+    """
+    if not fork:
+        yield
+        return
+    with _fork_lock:
+        if gc.get_freeze_count():
+            gc.collect()
+            yield
+            return
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()
 
 
 class WorkerSet:
@@ -72,6 +111,7 @@ class WorkerSet:
         self._copy_tensor = copy_tensor
         self._recurse = recurse
         self._daemon = daemon
+        self._forks = ctx.get_start_method() == "fork"
         self._poller = select.poll()
         self._by_fd: dict[int, tuple[WorkerHandle, bool]] = {}
         self._poll_key: tuple[Any, ...] | None = None
@@ -108,7 +148,7 @@ class WorkerSet:
                 name=f"pc_pool-worker-{index}",
                 daemon=self._daemon,
             )
-            with quiet_numpy_warning_in_children():  # spawned workers start with that -W option
+            with quiet_numpy_warning_in_children(), _inherited_objects_frozen(self._forks):
                 process.start()
         except BaseException:
             for conn in (task_r, task_w, result_r, result_w):
@@ -121,12 +161,6 @@ class WorkerSet:
     def repopulate(self, context_of: Callable[[int], Any]) -> None:
         """Start every missing worker index while the pool wants workers (result thread only)."""
         st = self._state
-        if self._ctx.get_start_method() == "fork" and None in st.workers:
-            # Garbage in a reference cycle that is not collected yet would be collected in the forked worker,
-            # where the parent's other threads do not exist: a torch gloo process group's destructor waits
-            # for its worker threads there and hangs the worker. Collected here, destructors run where the
-            # threads live.
-            gc.collect()
         for index in range(st.processes):
             if st.workers[index] is None and st.wants_workers():
                 w = self.start(index, context_of)
