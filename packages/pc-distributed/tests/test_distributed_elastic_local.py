@@ -31,7 +31,7 @@ from pc_distributed.parallel.elastic import _connect, _engine
 
 pytestmark = pytest.mark.backends_inside
 
-FAST: dict[str, Any] = {"heartbeat_period": 0.1, "member_timeout": 10.0, "collective_timeout": 10.0}
+FAST: dict[str, Any] = {"heartbeat_period": 0.1, "member_timeout": 10.0, "collective_timeout": 4.0}
 
 
 def _member(store: Any, name: str, steps: int, **kwargs: Any) -> dict[str, Any]:
