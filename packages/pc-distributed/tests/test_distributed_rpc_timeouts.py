@@ -413,6 +413,8 @@ def test_answered_calls_do_not_pile_up_in_the_deadline_heap() -> None:
     try:
         for _ in range(10_000):
             deadlines.disarm(deadlines.arm(time.monotonic() + LIVENESS, _Pending("1", LIVENESS)))
-        assert len(deadlines._heap) <= 64 + 1
+        # The compaction's bound with one call armed at a time (2 * 1 + 64); the deadline thread may have
+        # dropped more, but its pace is the scheduler's, so only the bound is certain.
+        assert len(deadlines._heap) <= 2 * 1 + 64
     finally:
         deadlines.close()
