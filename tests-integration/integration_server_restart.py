@@ -111,6 +111,24 @@ def push_until(gs: Any, model: ThreeWeights, n: int, target: int | None) -> list
     return accepted
 
 
+def quiet_checkpoint(impl: PushPullGradServerImpl, rank: int) -> dict[str, Any]:
+    """This reducer's checkpoint once it holds no push (none queued, none in a forward awaiting its reply).
+
+    The primary publishes a version before the secondary that forwarded it has the reply, so a client seeing
+    the version is not yet a quiet moment (docs/server.md, "What a checkpoint of a running server holds"): a
+    secondary's checkpoint taken meanwhile still holds the bundle, and the restored server applies it again.
+    """
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        state = impl.state_dict()
+        held = [part["pending"] for part in (state["primary"], state["secondary"]) if part is not None]
+        if not any(held):
+            return state
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the reducer still holds pushes after {WAIT_S:g} s: {held}")
+        time.sleep(0.01)  # a look at the reducer's state between tries: the reply is one RPC away
+
+
 def main(ckpt_dir: str) -> None:
     rank = int(os.environ["RANK"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -139,9 +157,9 @@ def main(ckpt_dir: str) -> None:
             gs.pull(model)
             push_until(gs, model, BEFORE, BEFORE)
         group.barrier(WAIT_S)  # the first pushes are applied
-        if impl is not None:  # checkpoint while the server runs; write-then-rename, never half a file
+        if impl is not None:  # checkpoint while the server runs, at a quiet moment; write-then-rename
             path = os.path.join(ckpt_dir, f"{rank}.pt")
-            torch.save(impl.state_dict(), path + ".tmp")
+            torch.save(quiet_checkpoint(impl, rank), path + ".tmp")
             os.replace(path + ".tmp", path)
         group.barrier(WAIT_S)  # every checkpoint written
         if impl is not None and rank == 0:
